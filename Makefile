@@ -1,0 +1,71 @@
+# art-pipeline: two virtual environments (serving: Python 3.11 + vLLM; training: Python 3.12 +
+# Megatron-core), the deterministic tiny model, the demo and the tests.
+# Every target sets itself up on first use and is fast when everything is already there.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+SERVE := .venv-serve
+TRAIN := .venv-train
+TINY := .cache/tiny
+
+# The environment every vLLM run here needs (../shared/docs/vllm-on-cpu.md): no usage stats,
+# offline hub, loopback host IP, a small KV cache on CPU.
+export VLLM_NO_USAGE_STATS := 1
+export DO_NOT_TRACK := 1
+export HF_HUB_OFFLINE := 1
+export VLLM_HOST_IP := 127.0.0.1
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: help envs serve-env train-env tiny demo test test-serve test-train lint clean
+help:
+	@echo "make demo   - serve the tiny model with --plugin art and show what the plugin does"
+	@echo "make test   - set up both environments and run every test"
+	@echo "make lint   - ruff"
+	@echo "make tiny   - (re)generate the deterministic tiny model and adapters in $(TINY)"
+
+# Heavy, slow part of each environment: rebuilt only when its set-up script changes.
+$(SERVE)/.base-ready: scripts/setup_serve_env.sh scripts/add_vllm_dist_info.py scripts/_steps.sh
+	bash scripts/setup_serve_env.sh
+	touch $@
+$(TRAIN)/.base-ready: scripts/setup_train_env.sh scripts/_steps.sh
+	bash scripts/setup_train_env.sh
+	touch $@
+# Light part: the project itself, editable; redone when pyproject.toml changes.
+$(SERVE)/.project-ready: $(SERVE)/.base-ready pyproject.toml
+	@echo "[serve] install art-pipeline (editable) with extras vllm,dev"
+	$(SERVE)/bin/python -m pip install -q -e ".[vllm,dev]"
+	touch $@
+$(TRAIN)/.project-ready: $(TRAIN)/.base-ready pyproject.toml
+	@echo "[train] install art-pipeline (editable) with extras megatron,dev"
+	$(TRAIN)/bin/python -m pip install -q -e ".[megatron,dev]"
+	touch $@
+
+serve-env: $(SERVE)/.project-ready
+train-env: $(TRAIN)/.project-ready
+envs: serve-env train-env
+
+$(TINY)/.ready: $(SERVE)/.project-ready art_vllm_plugin/tiny_model.py
+	$(SERVE)/bin/python -m art_vllm_plugin.tiny_model --out $(TINY)
+	touch $@
+tiny: $(TINY)/.ready
+
+demo: $(TINY)/.ready
+	$(SERVE)/bin/python scripts/demo.py --tiny $(TINY)
+
+# Both sides always run; the target fails if either failed.
+test: envs $(TINY)/.ready
+	@rc=0; \
+	$(MAKE) --no-print-directory test-train || rc=1; \
+	$(MAKE) --no-print-directory test-serve || rc=1; \
+	exit $$rc
+test-serve: serve-env $(TINY)/.ready
+	$(SERVE)/bin/python -m pytest tests/art_vllm_plugin tests/cross_env -m "not train"
+test-train: train-env
+	$(TRAIN)/bin/python -m pytest tests/art_megatron_ext tests/hybridep tests/train_env
+
+lint: serve-env
+	$(SERVE)/bin/ruff check .
+	$(SERVE)/bin/ruff format --check .
+
+clean:
+	rm -rf $(SERVE) $(TRAIN) .cache
