@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Megatron-core extensions for Pipeline RL trainers."""

@@ -1,1 +1,1 @@
-"""placeholder"""
+"""HybridEP: dispatch/combine buffers for MoE expert parallelism (see docs/hybridep)."""
