@@ -1,0 +1,77 @@
+"""`vllm serve MODEL --plugin NAME[,NAME]`: selecting plugins from the stock vLLM CLI.
+
+Why this shape: stock `vllm serve` has no `--plugin` flag and parses its arguments before any
+plugin is selected. But while it builds the `serve` parser, `AsyncEngineArgs.add_cli_args`
+calls `load_general_plugins()` and then `EngineArgs.add_cli_args(parser)`. Our general plugin
+wraps the latter (once, idempotently) so that the `serve` parser gains `--plugin`. The option's
+argparse action runs during parsing, in the API-server process, before any engine or worker
+process exists: it adds the names to `VLLM_PLUGINS` (inherited by every process vLLM starts)
+and activates the art plugin in the API server itself, whose general plugins already loaded.
+
+Limitation (documented in the README): the hook exists only if the general plugin loaded,
+i.e. when `VLLM_PLUGINS` is unset or already names `art`. With `VLLM_PLUGINS=other`, argparse
+rejects `--plugin`; use `VLLM_PLUGINS=other,art` instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from art_vllm_plugin.selection import PLUGIN_NAME, select
+
+OPTION = "--plugin"
+_MARK = "__art_plugin_option__"
+
+
+class PluginAction(argparse.Action):
+    """Parses `NAME[,NAME]`, may repeat; selects the named plugins for all vLLM processes."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        names = [n.strip() for n in str(values).split(",")]
+        if not all(names):
+            parser.error(f"{OPTION} expects NAME[,NAME], got {values!r}")
+        current = list(getattr(namespace, self.dest, None) or [])
+        setattr(namespace, self.dest, current + [n for n in names if n not in current])
+        select(names)
+        if PLUGIN_NAME in names:
+            from art_vllm_plugin.plugin_loader import activate
+
+            activate()
+
+
+def _is_serve_parser(parser: argparse.ArgumentParser) -> bool:
+    return parser.prog.split()[-1:] == ["serve"] and not parser.prog.startswith("vllm bench")
+
+
+def add_plugin_option(parser: argparse.ArgumentParser) -> None:
+    """Add `--plugin` to `parser` unless it already has it."""
+    if OPTION in parser._option_string_actions:
+        return
+    parser.add_argument(
+        OPTION,
+        action=PluginAction,
+        dest="plugins",
+        metavar="NAME[,NAME]",
+        help="Select vLLM plugins by entry-point name (sets VLLM_PLUGINS for every vLLM "
+        "process), e.g. `--plugin art`. Added by the art-pipeline plugin.",
+    )
+
+
+def install_plugin_option() -> None:
+    """Wrap `EngineArgs.add_cli_args` so the `vllm serve` parser gains `--plugin` (once)."""
+    from art_vllm_plugin import compat
+
+    engine_args = compat.engine_args_class()
+    original = engine_args.add_cli_args
+    if getattr(original, _MARK, False):
+        return
+
+    def add_cli_args(parser, *args, **kwargs):
+        parser = original(parser, *args, **kwargs)
+        if _is_serve_parser(parser):
+            add_plugin_option(parser)
+        return parser
+
+    setattr(add_cli_args, _MARK, True)
+    add_cli_args.__wrapped__ = original
+    engine_args.add_cli_args = staticmethod(add_cli_args)

@@ -1,0 +1,87 @@
+"""A real `vllm serve` on the tiny model: `--plugin art` adds `/art/*`, stock serve does not."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+from support.vllm_server import LORA_ARGS
+
+from art_vllm_plugin import serve_process
+from art_vllm_plugin.version import __version__
+
+
+def _lora_config(tiny_model, tiny_adapters, log, plugin, env=None):
+    return serve_process.ServeConfig(
+        model=str(tiny_model),
+        args=(*LORA_ARGS, "--lora-modules", f"policy={tiny_adapters / 'a'}"),
+        plugin=plugin,
+        env=env or {},
+        log_path=log,
+    )
+
+
+@pytest.fixture(scope="module")
+def art_server(tiny_model, tiny_adapters, server_log):
+    with serve_process.serving(
+        _lora_config(tiny_model, tiny_adapters, server_log, plugin=True)
+    ) as server:
+        yield server
+
+
+def test_capabilities_route_answers(art_server):
+    resp = httpx.get(art_server.url + "/art/v1/capabilities", timeout=30)
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["plugin"] == "art"
+    assert body["plugin_version"] == __version__
+    assert body["vllm_version"].startswith("0.32.")
+    assert "capabilities" in body["enabled_features"]
+    assert body["features"]["capabilities"]["enabled"] is True
+
+
+def test_plugin_is_active_in_api_server_engine_core_and_worker(art_server):
+    api = httpx.get(art_server.url + "/art/v1/capabilities", timeout=30).json()["api_server"]
+    assert api["plugin_active"] is True
+    # EngineCore and worker processes log their activation once logging is configured.
+    log = art_server.log_path.read_text(errors="replace")
+    found = re.findall(
+        r"\((EngineCore|VllmWorker-\d+) pid=(\d+)\).*art plugin active in pid (\d+)", log
+    )
+    roles = {role.split("-")[0] for role, _, _ in found}
+    assert roles == {"EngineCore", "VllmWorker"}, art_server.log_tail()
+    assert all(pid == logged for _, pid, logged in found)
+    assert len(found) == 2, "each process activates exactly once"
+
+
+def test_stock_routes_still_serve_the_lora_slot(art_server):
+    resp = httpx.post(
+        art_server.url + "/v1/completions",
+        json={"model": "policy", "prompt": "the policy", "max_tokens": 8, "temperature": 0},
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 8
+
+
+def test_plugin_selected_through_vllm_plugins_env(tiny_model, tiny_adapters, tmp_path):
+    config = _lora_config(
+        tiny_model, tiny_adapters, tmp_path / "env.log", plugin=False, env={"VLLM_PLUGINS": "art"}
+    )
+    config.unset_env = ()
+    with serve_process.serving(config) as server:
+        resp = httpx.get(server.url + "/art/v1/capabilities", timeout=30)
+        assert resp.status_code == 200
+        assert resp.json()["plugin"] == "art"
+
+
+def test_stock_serve_without_plugin_has_no_art_routes(tiny_model, tiny_adapters, tmp_path):
+    config = _lora_config(tiny_model, tiny_adapters, tmp_path / "stock.log", plugin=False)
+    with serve_process.serving(config) as server:
+        assert httpx.get(server.url + "/art/v1/capabilities", timeout=30).status_code == 404
+        paths = {p for p in httpx.get(server.url + "/openapi.json", timeout=30).json()["paths"]}
+        assert not any(p.startswith("/art") for p in paths)
+        assert "/v1/completions" in paths
+        log = server.log_path.read_text(errors="replace")
+        assert "art plugin active" not in log
