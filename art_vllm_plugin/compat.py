@@ -65,3 +65,62 @@ def stat_logger_base():
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     return StatLoggerBase
+
+
+# --- In-flight LoRA updates: EngineCore, worker, LoRA manager --------------------------------
+def engine_core_class():
+    """`vllm.v1.engine.core.EngineCore`: utility calls are its methods, run between steps."""
+    from vllm.v1.engine.core import EngineCore
+
+    return EngineCore
+
+
+def worker_base_class():
+    """`vllm.v1.worker.worker_base.WorkerBase`: `collective_rpc` calls its methods by name."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    return WorkerBase
+
+
+def worker_lora_manager(worker):
+    """The worker's `LRUCacheWorkerLoRAManager` (`model_runner.lora_manager`)."""
+    runner = getattr(worker, "model_runner", None)
+    manager = getattr(runner, "lora_manager", None)
+    if manager is None:
+        raise RuntimeError("LoRA is not enabled on this worker; start vLLM with --enable-lora")
+    return manager
+
+
+def lora_request(**kwargs):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(**kwargs)
+
+
+# --- Response assembly: OpenAI-compatible serving classes -----------------------------------
+def serving_completion_class():
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    return OpenAIServingCompletion
+
+
+def serving_chat_class():
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+
+    return OpenAIServingChat
+
+
+def replace_lora_path(lora_request, path: str):
+    """A copy of a `LoRARequest` (a msgspec Struct) pointing at another path."""
+    import msgspec
+
+    return msgspec.structs.replace(lora_request, lora_path=path)
+
+
+async def call_engine_utility(engine_client, method: str, *args):
+    """Run an EngineCore method between engine steps (`AsyncMPClient.call_utility_async`)."""
+    return await engine_client.engine_core.call_utility_async(method, *args)
+
+
+def max_lora_rank(engine_client) -> int:
+    return engine_client.vllm_config.lora_config.max_lora_rank

@@ -26,14 +26,24 @@ def _declare(name: str, description: str, enabled: bool) -> None:
 
 _declare("capabilities", "GET /art/v1/capabilities", True)
 _declare("cli_plugin_flag", "`vllm serve --plugin art` selects the plugin", True)
-_declare("inflight_lora_update", "atomic in-place LoRA slot updates between engine steps", False)
-_declare("policy_spans", "per-token policy-version spans on every completion choice", False)
+_declare("inflight_lora_update", "atomic in-place LoRA slot updates between engine steps", True)
+_declare("policy_spans", "per-token policy-version spans on every (non-streaming) choice", True)
 _declare("prefix_cache_salting", "prefix-cache salt derived from the slot's policy version", False)
 _declare("metrics", "GET /art/metrics fast JSON snapshot", False)
 
 
 def activate_all() -> None:
-    """Switch on, in this process, every feature that needs a per-process hook (none yet)."""
+    """Install the EngineCore and worker hooks (class patches, idempotent, any process).
+
+    API-server hooks (response spans) are installed by the endpoint plugin, which only runs
+    in the API server.
+    """
+    from art_vllm_plugin import compat
+    from art_vllm_plugin.engine_core import slot_updates
+    from art_vllm_plugin.worker import lora_slot_writer
+
+    slot_updates.install(compat.engine_core_class())
+    lora_slot_writer.install(compat.worker_base_class())
 
 
 def snapshot() -> dict[str, dict[str, object]]:

@@ -35,6 +35,27 @@ VLLM_RUN_ENV = {
 }
 
 
+def tiny_lora_args(max_loras: int = 2) -> tuple[str, ...]:
+    """Serve flags for LoRA on the tiny model (demo, tests, benchmarks).
+
+    `--gpu-memory-utilization` is the share of *host* memory the CPU backend insists is free
+    at start-up (default 0.92): keep it small so a server starts while others run.
+    """
+    return (
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--max-loras",
+        str(max_loras),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "512",
+        "--gpu-memory-utilization",
+        "0.2",
+    )
+
+
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy; the message carries its log tail."""
 

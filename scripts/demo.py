@@ -34,15 +34,7 @@ def main() -> None:
     config = serve_process.ServeConfig(
         model=str(model),
         args=(
-            "--enable-lora",
-            "--max-lora-rank",
-            "8",
-            "--max-loras",
-            "2",
-            "--dtype",
-            "bfloat16",
-            "--max-model-len",
-            "512",
+            *serve_process.tiny_lora_args(),
             "--lora-modules",
             f"policy={adapters / 'a'}",
         ),

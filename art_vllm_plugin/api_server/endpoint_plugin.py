@@ -23,4 +23,4 @@ class ArtEndpointPlugin:
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         from art_vllm_plugin.api_server.state import ArtApiState
 
-        state.art = ArtApiState.create(engine_client=engine_client, args=args)
+        state.art = ArtApiState.create(engine_client=engine_client, args=args, app_state=state)

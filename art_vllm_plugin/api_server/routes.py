@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import os
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from art_vllm_plugin import compat, features, plugin_loader
+from art_vllm_plugin.api_server.slots import UpdateError
 from art_vllm_plugin.version import __version__
 
 router = APIRouter(prefix="/art")
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "code": status}})
 
 
 @router.get("/v1/capabilities")
@@ -24,3 +30,41 @@ async def capabilities() -> dict:
         "features": features.snapshot(),
         "enabled_features": features.enabled_names(),
     }
+
+
+@router.get("/v1/engine")
+async def engine_state(request: Request) -> dict:
+    """EngineCore's view: completed engine steps, per-slot versions (by LoRA id), label."""
+    return await compat.call_engine_utility(request.app.state.art.engine_client, "art_slot_state")
+
+
+@router.get("/v1/slots")
+async def slots(request: Request) -> list[dict]:
+    return request.app.state.art.slots.list()
+
+
+def _parse_update(body) -> tuple[str, str, int]:
+    if not isinstance(body, dict):
+        raise UpdateError(400, 'body must be a JSON object {"slot", "path", "version"}')
+    slot, path, version = body.get("slot"), body.get("path"), body.get("version")
+    if not isinstance(slot, str) or not slot:
+        raise UpdateError(400, f"'slot' must be a non-empty string, got {slot!r}")
+    if not isinstance(path, str) or not path:
+        raise UpdateError(400, f"'path' must be a non-empty string, got {path!r}")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise UpdateError(400, f"'version' must be a non-negative integer, got {version!r}")
+    return slot, path, version
+
+
+@router.post("/v1/lora/update")
+async def lora_update(request: Request):
+    """Write a new adapter into a slot between two engine steps and bump its version."""
+    try:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise UpdateError(400, f"body is not valid JSON: {exc}") from exc
+        slot, path, version = _parse_update(body)
+        return await request.app.state.art.slots.update(slot, path, version)
+    except UpdateError as exc:
+        return _error(exc.status, exc.message)

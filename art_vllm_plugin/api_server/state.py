@@ -7,18 +7,30 @@ from argparse import Namespace
 from dataclasses import dataclass
 from typing import Any
 
+from art_vllm_plugin.api_server.slots import SlotRegistry
+
 
 @dataclass
 class ArtApiState:
     engine_client: Any
     args: Namespace
     started_at: float
+    slots: SlotRegistry
 
     @classmethod
-    def create(cls, engine_client: Any, args: Namespace) -> ArtApiState:
-        from art_vllm_plugin import plugin_loader
+    def create(cls, engine_client: Any, args: Namespace, app_state: Any) -> ArtApiState:
+        from art_vllm_plugin import compat, plugin_loader
+        from art_vllm_plugin.api_server import response_spans
 
         # The endpoint plugin only loads when selected; make sure the API process is active
         # even when selection came from VLLM_PLUGINS set after the general plugins loaded.
         plugin_loader.activate()
-        return cls(engine_client=engine_client, args=args, started_at=time.time())
+        response_spans.install()
+        serving_models = getattr(app_state, "openai_serving_models", None)
+        lora_enabled = engine_client.vllm_config.lora_config is not None
+        registry = SlotRegistry(
+            engine_client,
+            serving_models,
+            compat.max_lora_rank(engine_client) if lora_enabled else 0,
+        )
+        return cls(engine_client=engine_client, args=args, started_at=time.time(), slots=registry)

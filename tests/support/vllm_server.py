@@ -8,21 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from art_vllm_plugin.serve_process import tiny_lora_args
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / ".cache" / "tiny"
 
 #: Serve flags for LoRA on the tiny model (docs/vllm-on-cpu.md "Serving").
-LORA_ARGS = (
-    "--enable-lora",
-    "--max-lora-rank",
-    "8",
-    "--max-loras",
-    "2",
-    "--dtype",
-    "bfloat16",
-    "--max-model-len",
-    "512",
-)
+LORA_ARGS = tiny_lora_args()
 
 
 def tiny_paths() -> tuple[Path, Path]:

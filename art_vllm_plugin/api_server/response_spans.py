@@ -1,0 +1,96 @@
+"""Attach `policy_spans` to every choice of `/v1/completions` and `/v1/chat/completions`.
+
+vLLM assembles the final `CompletionOutput`s (n>1 children included) with
+`weight_versions` spans but drops them from the OpenAI responses. We wrap the two places where
+those responses are built, keep vLLM's own assembly, and add one field per choice (the
+response models accept extra fields):
+
+    "policy_spans": [{"start", "end", "slot", "version"}]   # half-open, contiguous, complete
+
+Streaming is not covered yet: a streaming request on a LoRA slot is refused with 400 and a
+message saying so, rather than served without provenance. Base-model streaming is stock.
+"""
+
+from __future__ import annotations
+
+import functools
+from http import HTTPStatus
+
+from art_vllm_plugin import compat
+from art_vllm_plugin.provenance import policy_spans
+
+_MARK = "__art_patched__"
+STREAMING_REFUSAL = (
+    "stream=true on LoRA slot {model!r} is not supported yet by the art plugin: per-token "
+    "policy spans would be lost. Send stream=false (every choice then carries policy_spans)."
+)
+
+
+def spans_for_output(output, lora_request) -> list[dict]:
+    slot = lora_request.lora_name if lora_request is not None else None
+    lora_id = lora_request.lora_int_id if lora_request is not None else None
+    return policy_spans(
+        getattr(output, "weight_versions", None), len(output.token_ids), slot, lora_id
+    )
+
+
+def _wrap_completion_response(original):
+    @functools.wraps(original)
+    def request_output_to_completion_response(self, final_res_batch, *args, **kwargs):
+        response = original(self, final_res_batch, *args, **kwargs)
+        # vLLM appends one choice per (prompt, output) in this order.
+        outputs = [(res, out) for res in final_res_batch for out in res.outputs]
+        for choice, (res, out) in zip(response.choices, outputs, strict=True):
+            choice.policy_spans = spans_for_output(out, res.lora_request)
+        return response
+
+    return request_output_to_completion_response
+
+
+def _wrap_chat_full_generator(original):
+    @functools.wraps(original)
+    async def chat_completion_full_generator(self, request, result_generator, *args, **kwargs):
+        last = []
+
+        async def capture():
+            async for res in result_generator:
+                last[:] = [res]
+                yield res
+
+        response = await original(self, request, capture(), *args, **kwargs)
+        choices = getattr(response, "choices", None)
+        if last and choices is not None:
+            by_index = {out.index: out for out in last[0].outputs}
+            for choice in choices:
+                choice.policy_spans = spans_for_output(by_index[choice.index], last[0].lora_request)
+        return response
+
+    return chat_completion_full_generator
+
+
+def _wrap_create(original):
+    @functools.wraps(original)
+    async def create(self, request, raw_request=None):
+        if getattr(request, "stream", False) and request.model in self.models.lora_requests:
+            return self.create_error_response(
+                STREAMING_REFUSAL.format(model=request.model), status_code=HTTPStatus.BAD_REQUEST
+            )
+        return await original(self, request, raw_request)
+
+    return create
+
+
+def install() -> None:
+    completion = compat.serving_completion_class()
+    chat = compat.serving_chat_class()
+    if getattr(completion, _MARK, False):
+        return
+    completion.request_output_to_completion_response = _wrap_completion_response(
+        completion.request_output_to_completion_response
+    )
+    completion.create_completion = _wrap_create(completion.create_completion)
+    chat.chat_completion_full_generator = _wrap_chat_full_generator(
+        chat.chat_completion_full_generator
+    )
+    chat.create_chat_completion = _wrap_create(chat.create_chat_completion)
+    setattr(completion, _MARK, True)

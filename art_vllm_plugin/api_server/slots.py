@@ -1,0 +1,139 @@
+"""Slots and the update coordinator of the API server.
+
+A slot is a LoRA name given at start (`--lora-modules NAME=PATH`), at policy version 0. An
+update validates the adapter here (in a thread, off the event loop), then makes exactly one
+EngineCore utility call that writes the weights on every worker and bumps the version between
+the same two engine steps (`art_vllm_plugin.engine_core.slot_updates`).
+
+Updates are serialized by one lock. Each runs as its own task and the HTTP handler awaits it
+through `asyncio.shield`: a client that disconnects or cancels does not cancel an update that
+may already be committed in the engine, so the registry never disagrees with the engine, and
+the lock is released when the task ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from art_vllm_plugin import compat
+from art_vllm_plugin.adapters import (
+    AdapterError,
+    AdapterSignature,
+    read_signature,
+    validate_adapter,
+)
+
+
+class UpdateError(Exception):
+    """An update refused with an HTTP status; nothing was changed."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Slot:
+    name: str
+    lora_int_id: int
+    path: str
+    version: int
+    updated_at: float
+    reference: AdapterSignature
+    updates: int = 0
+    failed_updates: int = 0
+    last_update_ms: float | None = None
+
+    def public(self) -> dict:
+        return {
+            "slot": self.name,
+            "version": self.version,
+            "path": self.path,
+            "updated_at": self.updated_at,
+        }
+
+
+class SlotRegistry:
+    def __init__(self, engine_client, serving_models, max_lora_rank: int):
+        self.engine_client = engine_client
+        self.serving_models = serving_models
+        self.max_lora_rank = max_lora_rank
+        self.slots: dict[str, Slot] = {}
+        self._lock = asyncio.Lock()
+        now = time.time()
+        for name, req in (serving_models.lora_requests if serving_models else {}).items():
+            self.slots[name] = Slot(
+                name=name,
+                lora_int_id=req.lora_int_id,
+                path=req.lora_path,
+                version=0,
+                updated_at=now,
+                reference=read_signature(req.lora_path),
+            )
+
+    def list(self) -> list[dict]:
+        return [s.public() for s in self.slots.values()]
+
+    async def update(self, name: str, path: str, version: int) -> dict:
+        task = asyncio.ensure_future(self._update(name, path, version))
+        return await asyncio.shield(task)
+
+    async def _update(self, name: str, path: str, version: int) -> dict:
+        t0 = time.perf_counter()
+        slot = self.slots.get(name)
+        if slot is None:
+            raise UpdateError(404, f"unknown slot {name!r}; slots: {sorted(self.slots)}")
+        async with self._lock:
+            if version <= slot.version:
+                raise UpdateError(
+                    409,
+                    f"version {version} for slot {name!r} is not newer than "
+                    f"the current version {slot.version}; nothing changed",
+                )
+            try:
+                await asyncio.to_thread(
+                    validate_adapter, path, name, slot.reference, self.max_lora_rank
+                )
+            except AdapterError as exc:
+                slot.failed_updates += 1
+                raise UpdateError(
+                    422, f"{exc}; slot {name!r} keeps serving version {slot.version}"
+                ) from exc
+            try:
+                result = await compat.call_engine_utility(
+                    self.engine_client,
+                    "art_update_lora_slot",
+                    slot.lora_int_id,
+                    name,
+                    path,
+                    version,
+                )
+            except Exception as exc:
+                slot.failed_updates += 1
+                raise UpdateError(
+                    422,
+                    f"engine refused the adapter at {path}: {exc}; slot "
+                    f"{name!r} keeps serving version {slot.version}",
+                ) from exc
+            slot.version = version
+            slot.path = path
+            slot.updated_at = time.time()
+            slot.updates += 1
+            slot.last_update_ms = (time.perf_counter() - t0) * 1000.0
+            self._point_new_requests_at(name, path)
+            return {
+                "slot": name,
+                "version": version,
+                "step": result["step"],
+                "elapsed_ms": slot.last_update_ms,
+                "engine_ms": result["engine_ms"],
+            }
+
+    def _point_new_requests_at(self, name: str, path: str) -> None:
+        """New requests carry the new path: if the adapter is ever evicted from the worker's
+        cache and reloaded, it is reloaded from the new files, never the old ones."""
+        requests = self.serving_models.lora_requests
+        requests[name] = compat.replace_lora_path(requests[name], path)

@@ -1,0 +1,98 @@
+"""A small httpx client for the art routes, and the checks a trainer runs on provenance."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+
+
+class ArtError(RuntimeError):
+    """An `/art/*` call was refused; `status` is the HTTP status, the message the server's."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class SpanError(ValueError):
+    """A choice's policy spans do not describe its tokens exactly once, in order."""
+
+
+class ArtClient:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ArtClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _json(self, resp: httpx.Response) -> Any:
+        if resp.status_code >= 400:
+            try:
+                message = resp.json()["error"]["message"]
+            except Exception:
+                message = resp.text
+            raise ArtError(resp.status_code, message)
+        return resp.json()
+
+    def update(self, slot: str, path: str, version: int) -> dict:
+        """Publish a new adapter to a slot; returns {slot, version, step, elapsed_ms, ...}."""
+        return self._json(
+            self._http.post(
+                "/art/v1/lora/update", json={"slot": slot, "path": str(path), "version": version}
+            )
+        )
+
+    def slots(self) -> list[dict]:
+        return self._json(self._http.get("/art/v1/slots"))
+
+    def capabilities(self) -> dict:
+        return self._json(self._http.get("/art/v1/capabilities"))
+
+
+def validate_spans(
+    choice: Mapping[str, Any],
+    num_tokens: int,
+    latest_version: int | Mapping[str, int] | None = None,
+) -> Sequence[Mapping[str, Any]]:
+    """Check `choice["policy_spans"]` against its `num_tokens` completion tokens.
+
+    Raises SpanError on a missing field, a gap, an overlap, an empty or out-of-order span, or
+    a version newer than `latest_version` (an int, or a mapping slot -> latest version): a
+    token cannot come from a policy the trainer has not published. Returns the spans.
+    """
+    spans = choice.get("policy_spans")
+    if spans is None:
+        raise SpanError("choice has no policy_spans")
+    expected_start = 0
+    for i, span in enumerate(spans):
+        start, end, version = span.get("start"), span.get("end"), span.get("version")
+        if not all(isinstance(v, int) for v in (start, end, version)):
+            raise SpanError(f"span {i} {span}: start, end and version must be integers")
+        if start < expected_start:
+            raise SpanError(f"span {i} {span} overlaps the previous span (ends {expected_start})")
+        if start > expected_start:
+            raise SpanError(f"gap before span {i} {span}: tokens {expected_start}..{start}")
+        if end <= start:
+            raise SpanError(f"span {i} {span} is empty or reversed")
+        limit = latest_version
+        if isinstance(latest_version, Mapping):
+            limit = latest_version.get(span.get("slot"), 0 if span.get("slot") is None else None)
+        if limit is not None and version > limit:
+            raise SpanError(
+                f"span {i} {span} has version {version}, newer than the latest "
+                f"published version {limit}"
+            )
+        expected_start = end
+    if expected_start != num_tokens:
+        raise SpanError(f"spans cover {expected_start} tokens, the choice has {num_tokens}")
+    return spans

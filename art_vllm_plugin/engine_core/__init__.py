@@ -1,0 +1,1 @@
+"""Code that runs in the vLLM EngineCore process: the slot-update coordinator and step hooks."""

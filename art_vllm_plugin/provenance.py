@@ -1,0 +1,72 @@
+"""Policy provenance: how per-slot versions ride on vLLM's per-step weight-version label.
+
+vLLM's EngineCore stamps every step's outputs with one string, `_weight_version`, and the
+output processor turns the stamps of a request's tokens into contiguous `WeightVersionSpan`s.
+A slot update sets that string to an encoding of *all* slot versions, between two steps and
+in the same utility call that writes the weights. Every token therefore carries, exactly,
+the versions in force in the step that sampled it; the API server decodes the version of the
+request's own slot and merges neighbouring spans of equal version into `policy_spans`.
+
+Encoding: `art1|<lora_int_id>=<version>,...` (ids ascending). Any other label (vLLM's initial
+"default", or a label set through vLLM's own weight-version API) means version 0 everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from functools import lru_cache
+from typing import Any
+
+PREFIX = "art1|"
+
+
+def encode_versions(versions: Mapping[int, int]) -> str:
+    return PREFIX + ",".join(f"{lid}={ver}" for lid, ver in sorted(versions.items()))
+
+
+@lru_cache(maxsize=256)
+def decode_versions(label: str | None) -> dict[int, int]:
+    if not label or not label.startswith(PREFIX):
+        return {}
+    body = label[len(PREFIX) :]
+    out: dict[int, int] = {}
+    for item in filter(None, body.split(",")):
+        lid, _, ver = item.partition("=")
+        out[int(lid)] = int(ver)
+    return out
+
+
+def slot_version(label: str | None, lora_int_id: int | None) -> int:
+    if lora_int_id is None:
+        return 0
+    return decode_versions(label).get(lora_int_id, 0)
+
+
+def policy_spans(
+    weight_versions: Iterable[Any] | None,
+    num_tokens: int,
+    slot: str | None,
+    lora_int_id: int | None,
+) -> list[dict[str, Any]]:
+    """Half-open spans over a choice's completion tokens: contiguous, covering all of them.
+
+    `weight_versions` are vLLM `WeightVersionSpan(version, start, end)` objects (or None when
+    no label was reported, e.g. zero tokens). Adjacent spans whose slot version is equal are
+    merged (another slot's update changes the label but not this slot's version).
+    """
+    spans: list[dict[str, Any]] = []
+    for wv in weight_versions or ():
+        if wv.end <= wv.start:
+            continue
+        version = slot_version(wv.version, lora_int_id)
+        if spans and spans[-1]["version"] == version and spans[-1]["end"] == wv.start:
+            spans[-1]["end"] = wv.end
+        else:
+            spans.append({"start": wv.start, "end": wv.end, "slot": slot, "version": version})
+    covered = spans[-1]["end"] if spans else 0
+    if covered != num_tokens or (spans and spans[0]["start"] != 0):
+        raise RuntimeError(
+            f"policy spans {spans} do not cover the {num_tokens} completion tokens; "
+            "refusing to report partial provenance"
+        )
+    return spans

@@ -1,0 +1,398 @@
+"""In-flight LoRA slot updates with per-token policy spans, on a real `vllm serve`.
+
+One server for the module: slot `policy` starts on adapter a; `ref_a` and `ref_b` serve
+adapters a and b loaded by stock vLLM from their files, as references for exact weights.
+Tests run in file order and each reads the slot's current version instead of assuming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+
+import httpx
+import psutil
+import pytest
+from support.adapters import make_bad_adapters
+
+from art_vllm_plugin import serve_process
+from art_vllm_plugin.client import ArtClient, ArtError, SpanError, validate_spans
+
+PROMPT = "the policy model learns from the reward and the trainer sends"
+LONG = 460
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tiny_adapters, server_log):
+    a, b = tiny_adapters / "a", tiny_adapters / "b"
+    config = serve_process.ServeConfig(
+        model=str(tiny_model),
+        args=(
+            *serve_process.tiny_lora_args(max_loras=3),
+            "--lora-modules",
+            f"policy={a}",
+            f"ref_a={a}",
+            f"ref_b={b}",
+        ),
+        log_path=server_log,
+    )
+    with serve_process.serving(config) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def art(server):
+    with ArtClient(server.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def versions(art):
+    """Hands out strictly increasing versions across the module's tests."""
+    counter = itertools.count(1)
+
+    def next_version():
+        current = {s["slot"]: s["version"] for s in art.slots()}["policy"]
+        return max(current + 1, next(counter))
+
+    return next_version
+
+
+def _version(art) -> int:
+    return {s["slot"]: s["version"] for s in art.slots()}["policy"]
+
+
+def complete(server, model="policy", max_tokens=64, **extra) -> dict:
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
+    resp = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def preemptions(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    return sum(
+        float(m) for m in re.findall(r"^vllm:num_preemptions_total\{[^}]*\} (\S+)", text, re.M)
+    )
+
+
+async def _generate_while_updating(server, body, path, version, path_of_url, after_steps=16):
+    """Start a generation, wait until the engine ran `after_steps` steps, then update.
+
+    Returns (response, update result, engine step count when the request was sent).
+    """
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        s0 = (await client.get("/art/v1/engine")).json()["steps"]
+        gen = asyncio.create_task(client.post(path_of_url, json=body))
+        while (await client.get("/art/v1/engine")).json()["steps"] < s0 + after_steps:
+            assert not gen.done(), "generation ended before the update could be sent"
+            await asyncio.sleep(0.01)
+        upd = await client.post(
+            "/art/v1/lora/update", json={"slot": "policy", "path": str(path), "version": version}
+        )
+        resp = await gen
+    assert upd.status_code == 200, upd.text
+    assert resp.status_code == 200, resp.text
+    return resp.json(), upd.json(), s0
+
+
+def generate_while_updating(server, body, path, versions, path_of_url, before_attempt, attempts=3):
+    """Retry when a loaded machine delayed the update past the end of the generation.
+
+    Whether the update lands mid-generation is timing (the update must reach the engine
+    before the generation's last step); what each attempt returns is checked in full.
+    """
+    for _ in range(attempts):
+        v_before = before_attempt()
+        version = versions()
+        out, upd, s0 = asyncio.run(
+            _generate_while_updating(server, body, path, version, path_of_url)
+        )
+        if upd["step"] < s0 + body["max_tokens"] - 1:
+            return out, upd, s0, v_before, version
+    raise AssertionError(f"update never landed mid-generation in {attempts} attempts")
+
+
+def _reset_to(art, adapter, versions):
+    """Put the slot on `adapter` at a new version; returns that version."""
+
+    def reset() -> int:
+        return art.update("policy", adapter, versions())["version"]
+
+    return reset
+
+
+def test_update_mid_generation_switches_at_the_update_step(server, art, versions, tiny_adapters):
+    reset = _reset_to(art, tiny_adapters / "a", versions)
+    reset()
+    baseline = complete(server, max_tokens=LONG)["choices"][0]["token_ids"]
+    p0 = preemptions(server)
+    body = {
+        "model": "policy",
+        "prompt": PROMPT,
+        "max_tokens": LONG,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    out, upd, s0, v_before, v_new = generate_while_updating(
+        server, body, tiny_adapters / "b", versions, "/v1/completions", reset
+    )
+    choice = out["choices"][0]
+    tokens = choice["token_ids"]
+    assert len(tokens) == LONG
+    spans = validate_spans(choice, LONG, latest_version=v_new)
+    assert [(s["slot"], s["version"]) for s in spans] == [("policy", v_before), ("policy", v_new)]
+    k = spans[0]["end"]
+    assert 0 < k < LONG, "the update must land mid-generation"
+    # Token i of a request admitted at step s0 is sampled in step s0 + i.
+    assert k == upd["step"] - s0
+    assert tokens[:k] == baseline[:k]
+    assert tokens[k : k + 8] != baseline[k : k + 8], "new weights must change the next tokens"
+    assert preemptions(server) == p0, "no request may be preempted by an update"
+
+
+def test_update_with_n4_gives_each_choice_its_spans(server, art, versions, tiny_adapters):
+    reset = _reset_to(art, tiny_adapters / "a", versions)
+    reset()
+    sampling = {"n": 4, "temperature": 0.9, "seed": 7}
+    baseline = complete(server, max_tokens=LONG, **sampling)["choices"]
+    body = {
+        "model": "policy",
+        "prompt": PROMPT,
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **sampling,
+    }
+    out, _, _, v_before, v_new = generate_while_updating(
+        server, body, tiny_adapters / "b", versions, "/v1/completions", reset
+    )
+    assert len(out["choices"]) == 4
+    boundaries = set()
+    for choice, base in zip(out["choices"], baseline, strict=True):
+        spans = validate_spans(choice, LONG, latest_version=v_new)
+        assert [s["version"] for s in spans] == [v_before, v_new]
+        k = spans[0]["end"]
+        boundaries.add(k)
+        assert choice["token_ids"][:k] == base["token_ids"][:k]
+    # Children may be admitted in different steps; the update reached each of them mid-way.
+    assert all(0 < k < LONG for k in boundaries)
+
+
+def test_update_during_chat_completion(server, art, versions, tiny_adapters):
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": LONG,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    out, _, _, v_before, v_new = generate_while_updating(
+        server, body, tiny_adapters / "c", versions, "/v1/chat/completions", lambda: _version(art)
+    )
+    choice = out["choices"][0]
+    assert out["usage"]["completion_tokens"] == LONG
+    spans = validate_spans(choice, LONG, latest_version=v_new)
+    assert [s["version"] for s in spans] == [v_before, v_new]
+
+
+def test_after_update_slot_serves_exactly_the_new_weights(server, art, versions, tiny_adapters):
+    art.update("policy", tiny_adapters / "b", versions())
+    got = complete(server, "policy", max_tokens=96)["choices"][0]
+    ref = complete(server, "ref_b", max_tokens=96)["choices"][0]
+    assert got["token_ids"] == ref["token_ids"]
+    assert got["policy_spans"] == [
+        {"start": 0, "end": 96, "slot": "policy", "version": _version(art)}
+    ]
+    ref_a = complete(server, "ref_a", max_tokens=96)["choices"][0]
+    assert ref_a["token_ids"] != ref["token_ids"], "adapters a and b must differ"
+
+
+def test_base_model_choices_carry_a_null_slot_span(server, tiny_model):
+    out = complete(server, model=str(tiny_model), max_tokens=10)
+    assert out["choices"][0]["policy_spans"] == [
+        {"start": 0, "end": 10, "slot": None, "version": 0}
+    ]
+
+
+BAD = [
+    "missing_path",
+    "truncated_safetensors",
+    "rank_over_max",
+    "rank_mismatch",
+    "wrong_shape",
+    "nan",
+    "wrong_targets",
+]
+
+
+@pytest.fixture(scope="module")
+def bad_adapters(tiny_adapters, tmp_path_factory):
+    return make_bad_adapters(tiny_adapters / "c", tmp_path_factory.mktemp("bad"))
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_adapter_is_refused_and_old_weights_keep_serving(server, art, bad_adapters, case):
+    before_version = _version(art)
+    before = complete(server, max_tokens=24)["choices"][0]
+    path, fragment = bad_adapters[case]
+    with pytest.raises(ArtError) as err:
+        art.update("policy", path, before_version + 1)
+    assert err.value.status == 422
+    assert fragment in err.value.message
+    assert f"keeps serving version {before_version}" in err.value.message
+    assert _version(art) == before_version
+    after = complete(server, max_tokens=24)["choices"][0]
+    assert after["token_ids"] == before["token_ids"]
+    assert after["policy_spans"][0]["version"] == before_version
+
+
+def test_stale_version_and_unknown_slot_and_malformed_request(server, art, tiny_adapters):
+    current = _version(art)
+    with pytest.raises(ArtError) as err:
+        art.update("policy", tiny_adapters / "a", current)
+    assert err.value.status == 409 and f"current version {current}" in err.value.message
+    with pytest.raises(ArtError) as err:
+        art.update("nope", tiny_adapters / "a", current + 1)
+    assert err.value.status == 404 and "unknown slot 'nope'" in err.value.message
+    for body in ({"slot": "policy"}, {"slot": "policy", "path": "x", "version": "7"}, [1, 2]):
+        resp = httpx.post(server.url + "/art/v1/lora/update", json=body, timeout=60)
+        assert resp.status_code == 400, (body, resp.text)
+    resp = httpx.post(
+        server.url + "/art/v1/lora/update",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert resp.status_code == 400
+    assert _version(art) == current
+
+
+def test_streaming_on_a_slot_is_refused_not_served_without_provenance(server):
+    resp = httpx.post(
+        server.url + "/v1/completions",
+        timeout=60,
+        json={"model": "policy", "prompt": PROMPT, "max_tokens": 4, "stream": True},
+    )
+    assert resp.status_code == 400
+    assert "policy spans would be lost" in resp.json()["error"]["message"]
+
+
+async def _race(server, adapters, start_version):
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+
+        async def request(i):
+            await asyncio.sleep(0.05 * i)
+            return await client.post(
+                "/v1/completions",
+                json={
+                    "model": "policy",
+                    "prompt": f"{PROMPT} {i}",
+                    "max_tokens": 48 + 4 * i,
+                    "temperature": 0.7,
+                    "seed": i,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
+
+        async def update(j):
+            await asyncio.sleep(0.08 * j)
+            return start_version + j, await client.post(
+                "/art/v1/lora/update",
+                json={"slot": "policy", "path": str(adapters[j % 3]), "version": start_version + j},
+            )
+
+        results = await asyncio.gather(
+            *(request(i) for i in range(16)), *(update(j) for j in range(20))
+        )
+    return results[:16], results[16:]
+
+
+def test_twenty_updates_race_sixteen_requests(server, art, versions, tiny_adapters):
+    start = versions()
+    adapters = [tiny_adapters / n for n in ("a", "b", "c")]
+    requests, updates = asyncio.run(_race(server, adapters, start))
+    committed = [v for v, resp in updates if resp.status_code == 200]
+    assert all(resp.status_code in (200, 409) for _, resp in updates), [
+        resp.text for _, resp in updates if resp.status_code not in (200, 409)
+    ]
+    assert committed, "at least one update must commit"
+    for resp in requests:
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        spans = validate_spans(choice, len(choice["token_ids"]), latest_version=max(committed))
+        versions_in_order = [s["version"] for s in spans]
+        assert versions_in_order == sorted(versions_in_order)
+    assert _version(art) == max(committed)
+
+
+def _worker_rss(server) -> int:
+    procs = psutil.Process(server.proc.pid).children(recursive=True)
+    workers = [p for p in procs if "Worker" in p.name()]
+    assert workers, [p.name() for p in procs]
+    return sum(p.memory_info().rss for p in workers)
+
+
+def test_memory_does_not_grow_over_200_updates(server, art, versions, tiny_adapters):
+    adapters = [tiny_adapters / n for n in ("a", "b", "c")]
+    for j in range(20):  # warm-up: allocator pools and caches settle
+        art.update("policy", adapters[j % 3], versions())
+    rss0 = _worker_rss(server)
+    for j in range(200):
+        art.update("policy", adapters[j % 3], versions())
+    growth = _worker_rss(server) - rss0
+    # Each adapter is ~130 KB; a leak of one copy per update would be >= 26 MB.
+    assert growth < 16 * 2**20, f"worker RSS grew {growth / 2**20:.1f} MiB over 200 updates"
+
+
+def test_validate_spans_rejects_gaps_overlaps_and_future_versions():
+    ok = {
+        "policy_spans": [
+            {"start": 0, "end": 3, "slot": "p", "version": 1},
+            {"start": 3, "end": 5, "slot": "p", "version": 2},
+        ]
+    }
+    assert validate_spans(ok, 5, latest_version=2)
+    cases = [
+        (
+            {
+                "policy_spans": [
+                    {"start": 0, "end": 2, "slot": "p", "version": 1},
+                    {"start": 3, "end": 5, "slot": "p", "version": 1},
+                ]
+            },
+            5,
+            None,
+            "gap",
+        ),
+        (
+            {
+                "policy_spans": [
+                    {"start": 0, "end": 3, "slot": "p", "version": 1},
+                    {"start": 2, "end": 5, "slot": "p", "version": 1},
+                ]
+            },
+            5,
+            None,
+            "overlaps",
+        ),
+        (ok, 6, None, "cover 5 tokens"),
+        (ok, 5, 1, "newer than the latest"),
+        (ok, 5, {"p": 1}, "newer than the latest"),
+        ({}, 0, None, "no policy_spans"),
+    ]
+    for choice, n, latest, fragment in cases:
+        with pytest.raises(SpanError, match=fragment):
+            validate_spans(choice, n, latest_version=latest)
