@@ -1,0 +1,46 @@
+"""Resident optimizer state and crash-atomic sharded checkpoints.
+
+`resident` keeps optimizer and trainable state in memory across jobs with the same
+(training session, objective, optimizer path); `checkpoint` writes and reads the sharded,
+manifest-committed checkpoints it falls back to (format: docs/checkpoint-format.md).
+"""
+
+from art_megatron_ext.optim.checkpoint import (
+    CheckpointConfig,
+    CheckpointCorruptError,
+    CheckpointSaveError,
+    CheckpointWorldSizeError,
+    LoadedShard,
+    ShardedCheckpointer,
+)
+from art_megatron_ext.optim.fileio import CheckpointIO
+from art_megatron_ext.optim.manifest import CheckpointFormatError, Manifest
+from art_megatron_ext.optim.resident import (
+    ObjectiveMismatchError,
+    Residency,
+    ResidentKey,
+    ResidentOptimizerStore,
+    ResidentState,
+    TrainableStateError,
+)
+from art_megatron_ext.optim.schedule import PeriodicSaver, SaveSchedule
+
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointCorruptError",
+    "CheckpointFormatError",
+    "CheckpointIO",
+    "CheckpointSaveError",
+    "CheckpointWorldSizeError",
+    "LoadedShard",
+    "Manifest",
+    "ObjectiveMismatchError",
+    "PeriodicSaver",
+    "Residency",
+    "ResidentKey",
+    "ResidentOptimizerStore",
+    "ResidentState",
+    "SaveSchedule",
+    "ShardedCheckpointer",
+    "TrainableStateError",
+]

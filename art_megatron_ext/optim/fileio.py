@@ -1,0 +1,159 @@
+"""Durable file operations for checkpoints: hashed writes, fsync, atomic rename.
+
+Why a class: every way a checkpoint write can fail on a real disk (ENOSPC in a write, an
+fsync that reports a lost page, a rename on a full directory) happens at one of the methods
+below. Routing all of them through one small object lets tests inject a failure at each
+write point in turn and prove that the last committed generation still loads.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from pathlib import Path
+from typing import BinaryIO
+
+DIGEST_SIZE = 32  # bytes of BLAKE2b output recorded in the manifest (64 hex digits)
+# Writes at least this large are hashed on a helper thread while the main thread writes them
+# (hashlib releases the GIL), so BLAKE2b overlaps the copy into the page cache.
+_OVERLAP_MIN_BYTES = 1 << 20
+_READ_CHUNK = 4 << 20  # buffer for verifying a shard's digest
+_DIR_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
+def new_hasher() -> hashlib.blake2b:
+    return hashlib.blake2b(digest_size=DIGEST_SIZE)
+
+
+class _HashingWriter:
+    """File-like sink that hashes and counts every byte on its way to the real file."""
+
+    def __init__(
+        self, raw: BinaryIO, write: Callable[[BinaryIO, bytes], None], helper: Executor
+    ) -> None:
+        self._raw = raw
+        self._write = write
+        self._helper = helper
+        self.hasher = new_hasher()
+        self.size = 0
+        self.error: BaseException | None = None  # first failed write, re-raised by the caller
+
+    def write(self, data) -> int:
+        if self.error is not None:
+            raise self.error
+        view = memoryview(data).cast("B")
+        # The caller's buffer is only valid during this call: the hash finishes before return.
+        hashed = None
+        if view.nbytes >= _OVERLAP_MIN_BYTES:
+            hashed = self._helper.submit(self.hasher.update, view)
+        else:
+            self.hasher.update(view)
+        try:
+            self._write(self._raw, view)
+        except BaseException as exc:
+            self.error = exc
+            raise
+        finally:
+            if hashed is not None:
+                hashed.result()
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+class CheckpointIO:
+    """The write points of a checkpoint save; subclass (in tests) to inject failures.
+
+    Each public method is one write point. The defaults are the real operations.
+    """
+
+    def write(self, f: BinaryIO, data: memoryview) -> None:
+        f.write(data)
+
+    def fsync(self, f: BinaryIO) -> None:
+        f.flush()
+        os.fsync(f.fileno())
+
+    def replace(self, src: Path, dst: Path) -> None:
+        os.replace(src, dst)
+
+    def fsync_dir(self, directory: Path) -> None:
+        """Make renames in `directory` durable.
+
+        Filesystems that cannot fsync a directory (EINVAL/ENOTSUP, e.g. some FUSE and network
+        mounts) order metadata themselves; that is not a failure of the save.
+        """
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in _DIR_FSYNC_UNSUPPORTED:
+                raise
+        finally:
+            os.close(fd)
+
+    # Reads are not failure points for the commit protocol; they are here so tests can count
+    # them (a resident reuse must not touch the disk).
+    def read_bytes(self, path: Path) -> bytes:
+        return path.read_bytes()
+
+    def open_read(self, path: Path) -> BinaryIO:
+        return open(path, "rb")
+
+    def atomic_write(
+        self, path: Path, produce: Callable[[_HashingWriter], None]
+    ) -> tuple[int, str]:
+        """Write `path` crash-atomically; returns (size, blake2b hex digest).
+
+        `produce` writes the content into the given sink. The bytes go to `<path>.tmp`, which
+        is flushed, fsynced and renamed over `path`; on any error the temporary file is
+        removed and the error propagates, so `path` is either absent, its old content, or the
+        complete new content. The caller fsyncs the directory once for all its renames.
+        """
+        tmp = path.with_name(path.name + ".tmp")
+        sink: _HashingWriter | None = None
+        try:
+            with open(tmp, "wb") as raw, ThreadPoolExecutor(1, "ckpt-hash") as helper:
+                sink = _HashingWriter(raw, self.write, helper)
+                produce(sink)
+                self.fsync(raw)
+            self.replace(tmp, path)
+        except BaseException as exc:
+            tmp.unlink(missing_ok=True)
+            # A serializer may wrap a failed write in its own error (torch.save raises
+            # "unexpected pos" from its zip writer); surface the write's error (ENOSPC, EIO).
+            if sink is not None and sink.error is not None and sink.error is not exc:
+                raise sink.error from exc
+            raise
+        return sink.size, sink.hasher.hexdigest()
+
+
+def file_digest(data: bytes | memoryview) -> str:
+    hasher = new_hasher()
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
+def digest_open_file(f: BinaryIO, size: int) -> str:
+    """BLAKE2b of the first `size` bytes of an open file.
+
+    Reads with `pread` (independent of the file position, so another reader may use the same
+    file meanwhile) into one reused buffer. Not an mmap: a file truncated underneath would
+    raise SIGBUS there, while here it gives a short read and thus a digest mismatch.
+    """
+    hasher = new_hasher()
+    buf = bytearray(min(size, _READ_CHUNK) or 1)
+    view = memoryview(buf)
+    offset = 0
+    while offset < size:
+        n = os.preadv(f.fileno(), [view[: min(len(buf), size - offset)]], offset)
+        if n == 0:
+            break
+        hasher.update(view[:n])
+        offset += n
+    return hasher.hexdigest()

@@ -1,0 +1,73 @@
+"""Manifest JSON: round trip, and refusal of manifests a reader must not trust."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from art_megatron_ext.optim.manifest import (
+    CheckpointFormatError,
+    Manifest,
+    ShardRecord,
+    is_checkpoint_file,
+    shard_name,
+)
+
+SOURCE = Path("/ckpt/CURRENT.json")
+
+
+def manifest(world_size: int, generation: int = 3, step: int = 15, objective: str = "rl"):
+    files = tuple(
+        ShardRecord(
+            rank=r, name=shard_name(generation, r, world_size), size=100 + r, blake2b="ab" * 32
+        )
+        for r in range(world_size)
+    )
+    return Manifest(generation, step, world_size, objective, files)
+
+
+@given(
+    world_size=st.integers(1, 16),
+    generation=st.integers(1, 10**8 - 1),
+    step=st.integers(0, 10**12),
+    objective=st.text(min_size=1, max_size=20),
+)
+def test_json_round_trip(world_size, generation, step, objective):
+    m = manifest(world_size, generation, step, objective)
+    assert Manifest.from_json(m.to_json(), SOURCE) == m
+
+
+def edited(**changes) -> bytes:
+    body = json.loads(manifest(2).to_json())
+    body.update(changes)
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (edited(format_version=2), "format_version 2 is not supported"),
+        (edited(format="other"), "format is 'other'"),
+        (edited(digest="sha256"), "digest 'sha256' is not supported"),
+        (edited(world_size=3), r"lists ranks \[0, 1\] for world size 3"),
+        (edited(step="x"), "malformed manifest"),
+        (b"{not json", "malformed manifest"),
+    ],
+)
+def test_untrustworthy_manifests_are_refused_naming_the_file(data, message):
+    with pytest.raises(CheckpointFormatError, match=message) as info:
+        Manifest.from_json(data, SOURCE)
+    assert str(SOURCE) in str(info.value)
+
+
+def test_cleanup_recognises_only_checkpoint_files():
+    assert is_checkpoint_file(shard_name(7, 1, 2))
+    assert is_checkpoint_file(shard_name(7, 1, 2) + ".tmp")
+    assert is_checkpoint_file("CURRENT.json.tmp")
+    assert is_checkpoint_file("03-of-04.pt")
+    assert not is_checkpoint_file("adapter_model.safetensors")
+    assert not is_checkpoint_file("notes.pt")
