@@ -7,6 +7,14 @@ from typing import Any
 
 import httpx
 
+from art_vllm_plugin.policy_age import (  # noqa: F401 - re-exported for trainers
+    FutureVersionError,
+    batch_factor,
+    freshness,
+    policy_age,
+    throughput_score,
+)
+
 
 class ArtError(RuntimeError):
     """An `/art/*` call was refused; `status` is the HTTP status, the message the server's."""
