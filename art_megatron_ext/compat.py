@@ -52,3 +52,127 @@ def require_megatron() -> str:
     version = megatron_version()
     check_megatron_version(version)
     return version
+
+
+# --- LoRA (art_megatron_ext/lora): state that activation recomputation restores -------------
+# Why: a LoRA slot chosen by a context manager at forward time must still be the active slot
+# when Megatron recomputes a checkpointed region during backward (outside that context).
+# Megatron's checkpoint functions (`CheckpointFunction`, `CheckpointWithoutOutput`) save
+# `_get_all_rng_states()` at forward and restore it with `_set_all_rng_states(*states)` right
+# before recomputing; every caller treats the tuple as opaque. We append one extra element
+# holding our captured state, so it rides along with the RNG states and nothing else changes.
+
+
+class _RecomputeExtra(tuple):
+    """The extra element appended to Megatron's RNG-state tuple: captured states by name."""
+
+
+_RECOMPUTE_STATE: dict[str, tuple] = {}  # name -> (capture() -> object, restore(object))
+
+
+def register_recompute_state(name: str, capture, restore) -> None:
+    """Make `capture()` run when Megatron saves RNG states for recompute, `restore(v)` before.
+
+    Idempotent per name (a later registration replaces an earlier one). Installs the wrapper
+    around `megatron.core.tensor_parallel.random._get_all_rng_states/_set_all_rng_states`
+    once per process.
+    """
+    require_megatron()
+    from megatron.core.tensor_parallel import random as mrandom
+
+    _RECOMPUTE_STATE[name] = (capture, restore)
+    if getattr(mrandom._get_all_rng_states, "_art_recompute_state", False):
+        return
+    get_orig, set_orig = mrandom._get_all_rng_states, mrandom._set_all_rng_states
+
+    def _get_all_rng_states():
+        extra = _RecomputeExtra((n, cap()) for n, (cap, _) in _RECOMPUTE_STATE.items())
+        return (*get_orig(), extra)
+
+    def _set_all_rng_states(*states):
+        if states and isinstance(states[-1], _RecomputeExtra):
+            for n, value in states[-1]:
+                if n in _RECOMPUTE_STATE:
+                    _RECOMPUTE_STATE[n][1](value)
+            states = states[:-1]
+        return set_orig(*states)
+
+    _get_all_rng_states._art_recompute_state = True
+    mrandom._get_all_rng_states = _get_all_rng_states
+    mrandom._set_all_rng_states = _set_all_rng_states
+
+
+def megatron_rng_module():
+    """`megatron.core.tensor_parallel.random` (private helpers `_get/_set_cuda_rng_state`)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    return mrandom
+
+
+# --- HybridEP hook-up (art_megatron_ext/moe/hybridep_hookup.py) ------------------------------
+# Megatron-core imports `from deep_ep import HybridEPBuffer` in `fused_a2a.py`; without DeepEP
+# it leaves `HybridEPBuffer` undefined and `hybrid_ep_dispatch/combine` None there and in
+# `token_dispatcher.py` (which imported them by name). We point those module attributes at
+# ours at run time instead of installing a package named `deep_ep` (that would shadow a real
+# DeepEP). Megatron's own autograd Functions `HybridEPDispatch/HybridEPCombine` are reused.
+HYBRIDEP_FUSED_A2A_ATTRS = (
+    "HybridEPBuffer",
+    "HAVE_HYBRIDEP",
+    "hybrid_ep_dispatch",
+    "hybrid_ep_combine",
+)
+HYBRIDEP_TOKEN_DISPATCHER_ATTRS = ("hybrid_ep_dispatch", "hybrid_ep_combine")
+
+
+def megatron_fused_a2a_module():
+    """`megatron.core.transformer.moe.fused_a2a` (private: HybridEP globals and Functions)."""
+    require_megatron()
+    from megatron.core.transformer.moe import fused_a2a
+
+    return fused_a2a
+
+
+def megatron_token_dispatcher_module():
+    """`megatron.core.transformer.moe.token_dispatcher` (holds imported hybrid_ep_* names)."""
+    require_megatron()
+    from megatron.core.transformer.moe import token_dispatcher
+
+    return token_dispatcher
+
+
+# --- Router replay (art_megatron_ext/routing/replay.py) --------------------------------------
+# `RouterReplay` keeps one instance per MoE router in a class-level list, in construction
+# order, and its static methods set targets and actions on all of them; `RouterReplayAction`
+# selects RECORD / REPLAY_FORWARD / REPLAY_BACKWARD. Megatron's own docstrings call replay
+# "for debugging and development", so we treat the module as private.
+def megatron_router_replay():
+    """`(RouterReplay, RouterReplayAction)` from `megatron.core.transformer.moe.router_replay`."""
+    require_megatron()
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    return RouterReplay, RouterReplayAction
+
+
+# megatron-core 0.19.2 bug: `TopKRouter._apply_expert_bias` masks padding with
+# `routing_map & ~padding_mask`, a [tokens, experts] map against a [tokens] mask, which fails to
+# broadcast (or, when tokens == experts, masks the wrong axis). So any forward with both
+# `moe_router_enable_expert_bias` and a `padding_mask` fails in training. We replace the method
+# with one that masks rows; everything else it does is unchanged.
+def fix_expert_bias_padding_mask() -> None:
+    """Install the row-masking `_apply_expert_bias` on `TopKRouter` (idempotent)."""
+    require_megatron()
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if getattr(TopKRouter._apply_expert_bias, "_art_row_mask", False):
+        return
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    _apply_expert_bias._art_row_mask = True
+    TopKRouter._apply_expert_bias = _apply_expert_bias

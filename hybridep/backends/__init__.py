@@ -1,0 +1,167 @@
+"""Backend interface of `hybridep.Buffer`, and selection by name.
+
+Why an interface: the `torch` reference backend (`torch_ref.TorchBackend`) defines the
+semantics; the CUDA backend (`cuda.CudaBackend`, built from `csrc/`) must reproduce them bit
+for bit. The `Buffer` facade validates arguments and composes the five steps below, so a
+backend only moves data. A backend may fuse steps internally (dispatch+permute) as long as
+the results equal the composition.
+
+Selection: `"torch"` always works (any `torch.distributed` group: gloo on CPU, NCCL on GPU).
+`"cuda"` raises `BackendUnavailable` naming the reason when it cannot run (no GPU visible,
+the module or its kernels missing); it never falls back silently. `"auto"` picks `cuda`
+when a GPU is visible and the CUDA backend says it can run on the group, else `torch`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from hybridep.config import HybridEPConfig
+from hybridep.handle import DispatchHandle
+
+BACKEND_NAMES = ("auto", "torch", "cuda")
+_BACKEND_CLASSES = {
+    "torch": ("hybridep.backends.torch_ref", "TorchBackend"),
+    "cuda": ("hybridep.backends.cuda", "CudaBackend"),
+}
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run here; the message says why."""
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """The sizes a backend is built for (fixed for the buffer's lifetime)."""
+
+    hidden_dim: int
+    max_num_of_tokens_per_rank: int
+    num_local_experts: int
+    config: HybridEPConfig = field(default_factory=HybridEPConfig)
+
+
+@runtime_checkable
+class HybridEPBackend(Protocol):
+    """What a backend implements. Shapes: W ranks, T tokens, H hidden, L local experts,
+    E = W*L, N = `handle.num_recv_rows`, M = `handle.num_permuted_tokens`.
+
+    Construction: `Backend(group, spec: BufferSpec)`; collective over `group`. A backend
+    holding registered memory may also define `close()` (collective), which
+    `Buffer.close()` calls.
+    """
+
+    name: str
+    rank: int  # this rank's index in `group`
+    world_size: int  # W
+
+    @classmethod
+    def unavailable_reason(cls, group: Any) -> str | None:
+        """None when the backend can run on `group` here, else a sentence saying why not."""
+        ...
+
+    def preprocess(
+        self,
+        routing_map: torch.Tensor,
+        *,
+        pad_multiple: int,
+        num_permuted_tokens: int | None,
+    ) -> DispatchHandle:
+        """Collective: all-gather bool `routing_map [T, E]`, compute the layout.
+
+        `num_permuted_tokens` None = blocking (exact M, host counts, may synchronize);
+        an int = static budget M (no device-to-host sync; overflow flag on drop).
+        """
+        ...
+
+    def dispatch(
+        self, hidden: torch.Tensor, probs: torch.Tensor | None, handle: DispatchHandle
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Collective: `hidden [T, H]`, fp32 `probs [T, E]` -> receive rows `[N, H]`,
+        `[N, L]` (this rank's slice of each row's probs; rows not routed here are zero)."""
+        ...
+
+    def permute(
+        self,
+        recv_hidden: torch.Tensor,
+        recv_probs: torch.Tensor | None,
+        handle: DispatchHandle,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Local: receive rows -> expert-major `[M, H]`, `[M]` (padding rows zero)."""
+        ...
+
+    def unpermute(
+        self, tokens: torch.Tensor, probs: torch.Tensor | None, handle: DispatchHandle
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Local: `[M, H]`, `[M]` -> receive rows `[N, H]` (fp32 sum over local experts in
+        index order, rounded once), `[N, L]`."""
+        ...
+
+    def combine(
+        self, hidden: torch.Tensor, probs: torch.Tensor | None, handle: DispatchHandle
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Collective: receive rows `[N, H]`, `[N, L]` -> `[T, H]` (fp32 sum over ranks in
+        rank order, rounded once), `[T, E]` (disjoint scatter)."""
+        ...
+
+
+def _load(name: str) -> type:
+    module_name, class_name = _BACKEND_CLASSES[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"hybridep backend {name!r} is unavailable: importing {module_name} failed ({exc})"
+        ) from exc
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise BackendUnavailable(
+            f"hybridep backend {name!r} is unavailable: {module_name} defines no {class_name}"
+        )
+    return cls
+
+
+def cuda_unavailable_reason(group: Any) -> str | None:
+    """Why the CUDA backend cannot run on `group` here, or None when it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible (torch.cuda.is_available() is False)"
+    try:
+        cls = _load("cuda")
+    except BackendUnavailable as exc:
+        return str(exc)
+    return cls.unavailable_reason(group)
+
+
+def select_backend(name: str, group: Any) -> type:
+    """The backend class for `name` ("auto", "torch" or "cuda") on `group`.
+
+    Raises:
+        ValueError: unknown name.
+        BackendUnavailable: `"cuda"` requested where it cannot run (the reason is named).
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"hybridep backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if name == "torch":
+        return _load("torch")
+    reason = cuda_unavailable_reason(group)
+    if name == "cuda":
+        if reason is not None:
+            raise BackendUnavailable(
+                f"hybridep backend 'cuda' cannot run: {reason}. Use backend='torch' (the "
+                "reference over torch.distributed) or backend='auto'."
+            )
+        return _load("cuda")
+    return _load("torch") if reason is not None else _load("cuda")
+
+
+__all__ = [
+    "BACKEND_NAMES",
+    "BackendUnavailable",
+    "BufferSpec",
+    "HybridEPBackend",
+    "cuda_unavailable_reason",
+    "select_backend",
+]

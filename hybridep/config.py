@@ -1,0 +1,71 @@
+"""Typed tunables of a `hybridep.Buffer` (SMs, blocks, pipeline stages, chunking).
+
+Why a dataclass and not environment variables: the values change kernel launch shapes and
+(for the CUDA backend) the JIT cache key, so they must be visible, validated once, and passed
+explicitly. The reference `torch` backend ignores the launch tunables; they are still
+validated so a configuration that runs on CPU CI also runs on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+TOKEN_CHUNK = 64
+"""Tokens per dispatch chunk; Megatron's `HYBRIDEP_TOKEN_ALIGNMENT` matches it."""
+
+
+@dataclass(frozen=True)
+class HybridEPConfig:
+    """Launch tunables of the CUDA backend; see docs/hybridep.md for the table.
+
+    Attributes:
+        num_sms_dispatch: CTAs (one per SM) of the persistent dispatch kernel.
+        num_sms_combine: CTAs of the persistent combine kernel.
+        num_sms_preprocessing: CTAs of the routing-map scan (must not exceed the SM count:
+            its decoupled look-back needs every earlier block resident).
+        num_blocks_permute: blocks of the permute kernel (0 = one per SM).
+        num_blocks_unpermute: blocks of the unpermute kernel (0 = one per SM).
+        num_stages_dispatch: depth of the shared-memory token ring in dispatch.
+        num_stages_combine: depth of the shared-memory token ring in combine.
+        token_chunk: tokens per chunk; the maximum tokens per rank is rounded up to it.
+    """
+
+    num_sms_dispatch: int = 16
+    num_sms_combine: int = 16
+    num_sms_preprocessing: int = 32
+    num_blocks_permute: int = 0
+    num_blocks_unpermute: int = 0
+    num_stages_dispatch: int = 10
+    num_stages_combine: int = 10
+    token_chunk: int = TOKEN_CHUNK
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            minimum = 0 if f.name.startswith("num_blocks_") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(
+                    f"HybridEPConfig.{f.name} must be an int >= {minimum}, got {value!r}"
+                )
+
+    @classmethod
+    def from_megatron_kwargs(
+        cls,
+        num_sms_dispatch_api: int | None = None,
+        num_sms_combine_api: int | None = None,
+        num_sms_preprocessing_api: int | None = None,
+        num_blocks_permute: int | None = None,
+        num_blocks_unpermute: int | None = None,
+        base: HybridEPConfig | None = None,
+    ) -> HybridEPConfig:
+        """Overlay the keyword names Megatron-core's `fused_a2a.py` passes on `base`."""
+        values = {f.name: getattr(base or cls(), f.name) for f in fields(cls)}
+        given = {
+            "num_sms_dispatch": num_sms_dispatch_api,
+            "num_sms_combine": num_sms_combine_api,
+            "num_sms_preprocessing": num_sms_preprocessing_api,
+            "num_blocks_permute": num_blocks_permute,
+            "num_blocks_unpermute": num_blocks_unpermute,
+        }
+        values.update({k: v for k, v in given.items() if v is not None})
+        return cls(**values)

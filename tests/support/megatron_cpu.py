@@ -1,0 +1,294 @@
+"""Run Megatron-core MoE code on CPU in tests: a shim for the absent GPU, parallel state.
+
+Why: megatron-core 0.19 assumes CUDA in a few places that do not matter for correctness
+(streams and events for overlap, `device="cuda"` / `torch.cuda.current_device()` tensor
+factories, split sizes kept in CPU tensors for NCCL). With those stood in for, a real
+`MoELayer` (fp32, `use_cpu_initialization=True`, local spec so `SequentialMLP`, no TE) runs
+forward and backward on a gloo group, which lets us compare dispatchers exactly on a box
+without a GPU (see ../shared/docs/megatron-and-cuda-here.md). The shim is test-only: it
+patches `torch` process-wide while active, so enter it inside spawned rank processes.
+
+What it does while active:
+- `torch.cuda.Stream/Event/current_stream/default_stream/stream/synchronize` become no-ops
+  (`torch.cuda.is_available()` stays False).
+- Tensor factories (`torch.empty/zeros/ones/full/tensor/arange/...`, their `*_like`
+  forms, `Tensor.new_*`), `Tensor.to` and `Tensor.cuda` map any CUDA device (`"cuda"`,
+  `"cuda:0"`, an int, `torch.device("cuda")`) to CPU, and drop `pin_memory=True`.
+- `torch.distributed.all_to_all_single` accepts split sizes given as tensors (gloo wants
+  Python lists); `torch.distributed.all_gather` accepts parts of unequal length (gloo wants
+  equal ones; Megatron gathers uneven sequence-parallel splits when TP > 1).
+
+Usage::
+
+    with cpu_shim(), megatron_parallel(tp=1, ep=2):
+        layer = build_moe_layer(config)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["build_moe_layer", "cpu_shim", "megatron_parallel", "moe_test_config"]
+
+_FACTORIES = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "as_tensor",
+    "arange",
+    "linspace",
+    "eye",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "empty_strided",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+)
+_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True  # a bare ordinal means a CUDA device in torch
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+def _cpu_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    if _is_cuda_device(kwargs.get("device")):
+        kwargs["device"] = "cpu"
+    if kwargs.get("pin_memory"):
+        kwargs["pin_memory"] = False
+    return kwargs
+
+
+def _wrap_factory(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **_cpu_kwargs(kwargs))
+
+    return factory
+
+
+def _wrap_tensor_to(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
+        return fn(self, *args, **_cpu_kwargs(kwargs))
+
+    return to
+
+
+def _tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
+class _NoStream:
+    """Stands in for `torch.cuda.Stream`: every synchronization is already satisfied on CPU."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _NoEvent:
+        return event if event is not None else _NoEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _NoEvent:
+    """Stands in for `torch.cuda.Event`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+_NO_STREAM = _NoStream()
+
+
+def _wrap_all_to_all_single(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        if isinstance(output_split_sizes, torch.Tensor):
+            output_split_sizes = output_split_sizes.tolist()
+        if isinstance(input_split_sizes, torch.Tensor):
+            input_split_sizes = input_split_sizes.tolist()
+        return fn(
+            output,
+            input,
+            output_split_sizes=output_split_sizes,
+            input_split_sizes=input_split_sizes,
+            **kw,
+        )
+
+    return all_to_all_single
+
+
+def _wrap_all_gather(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        rows = [t.shape[0] if t.dim() else 0 for t in tensor_list]
+        if all(t.shape == tensor.shape for t in tensor_list):
+            return fn(tensor_list, tensor, group=group, async_op=async_op)
+        # gloo needs equal sizes: pad every part to the longest, gather, then trim.
+        longest = max(rows)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in tensor_list]
+        fn(parts, padded, group=group)
+        for out, part, n in zip(tensor_list, parts, rows, strict=True):
+            out.copy_(part[:n])
+        return None
+
+    return all_gather
+
+
+def _patches() -> list[tuple[Any, str, Any]]:
+    cuda = torch.cuda
+    patches: list[tuple[Any, str, Any]] = [
+        (cuda, "Stream", _NoStream),
+        (cuda, "Event", _NoEvent),
+        (cuda, "current_stream", lambda device=None: _NO_STREAM),
+        (cuda, "default_stream", lambda device=None: _NO_STREAM),
+        (cuda, "stream", lambda stream=None: contextlib.nullcontext()),
+        (cuda, "synchronize", lambda device=None: None),
+        (cuda, "current_device", lambda: 0),
+        (torch.Tensor, "to", _wrap_tensor_to(torch.Tensor.to)),
+        (torch.Tensor, "cuda", _tensor_cuda),
+        (
+            torch.distributed,
+            "all_to_all_single",
+            _wrap_all_to_all_single(torch.distributed.all_to_all_single),
+        ),
+        (torch.distributed, "all_gather", _wrap_all_gather(torch.distributed.all_gather)),
+    ]
+    patches += [(torch, name, _wrap_factory(getattr(torch, name))) for name in _FACTORIES]
+    patches += [
+        (torch.Tensor, name, _wrap_factory(getattr(torch.Tensor, name)))
+        for name in _TENSOR_FACTORIES
+    ]
+    return patches
+
+
+@contextlib.contextmanager
+def cpu_shim() -> Iterator[None]:
+    """Patch torch so Megatron-core MoE code runs on CPU; restore everything on exit.
+
+    Not re-entrant across threads; meant for one spawned test rank (or one test) at a time.
+    """
+    saved = []
+    try:
+        for obj, name, new in _patches():
+            saved.append((obj, name, obj.__dict__.get(name, getattr(obj, name))))
+            setattr(obj, name, new)
+        yield
+    finally:
+        for obj, name, old in reversed(saved):
+            setattr(obj, name, old)
+
+
+@contextlib.contextmanager
+def megatron_parallel(tp: int = 1, ep: int = 1, pp: int = 1) -> Iterator[None]:
+    """Initialize Megatron's parallel state on the current (gloo) world; destroy it on exit.
+
+    `model_parallel_cuda_manual_seed` needs CUDA, so only the CPU generator is seeded here:
+    call `torch.manual_seed` yourself for reproducible weights.
+    """
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+    )
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def moe_test_config(**overrides: Any) -> Any:
+    """A small fp32 CPU `TransformerConfig` for one MoE layer; `overrides` win.
+
+    Defaults: hidden 16, ffn 32, 8 experts, top-2, fp32 router, no aux loss, alltoall
+    dispatcher, CPU initialization, no bias-activation fusion (it needs a GPU).
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base: dict[str, Any] = dict(
+        num_layers=1,
+        hidden_size=16,
+        ffn_hidden_size=32,
+        moe_ffn_hidden_size=32,
+        num_attention_heads=4,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_router_dtype="fp32",
+        moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        moe_grouped_gemm=False,
+        sequence_parallel=False,
+    )
+    base.update(overrides)
+    tp = base.get("tensor_model_parallel_size", 1)
+    if tp > 1 and "sequence_parallel" not in overrides:
+        base["sequence_parallel"] = True  # Megatron requires SP for MoE with TP > 1
+    return TransformerConfig(**base)
+
+
+def build_moe_layer(config: Any, layer_number: int = 1) -> Any:
+    """Build a real `MoELayer` with the local (non-TE) spec: `SequentialMLP` experts."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    make_layer = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts)
+    return make_layer(config=config, layer_number=layer_number)
