@@ -57,6 +57,39 @@ def add_plugin_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _path_map_arg(value: str) -> str:
+    from art_vllm_plugin.api_server.paths import parse_path_map
+
+    try:
+        parse_path_map(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return value
+
+
+def add_art_options(parser: argparse.ArgumentParser) -> None:
+    """The art plugin's own serve options (inert unless the plugin is selected)."""
+    if "--art-adapter-root" in parser._option_string_actions:
+        return
+    group = parser.add_argument_group("art plugin")
+    group.add_argument(
+        "--art-adapter-root",
+        action="append",
+        dest="art_adapter_roots",
+        metavar="DIR",
+        help="Directory from which /art/v1/lora/update may read adapters (repeatable). "
+        "Default: the directories holding the --lora-modules adapters.",
+    )
+    group.add_argument(
+        "--art-path-map",
+        action="append",
+        dest="art_path_maps",
+        metavar="TRAINER_PREFIX=SERVER_PREFIX",
+        help="Translate adapter paths published by a trainer to paths on this server "
+        "(repeatable; the longest matching prefix wins).",
+    )
+
+
 def install_plugin_option() -> None:
     """Wrap `EngineArgs.add_cli_args` so the `vllm serve` parser gains `--plugin` (once)."""
     from art_vllm_plugin import compat
@@ -70,6 +103,7 @@ def install_plugin_option() -> None:
         parser = original(parser, *args, **kwargs)
         if _is_serve_parser(parser):
             add_plugin_option(parser)
+            add_art_options(parser)
         return parser
 
     setattr(add_cli_args, _MARK, True)

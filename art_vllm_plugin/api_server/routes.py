@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from art_vllm_plugin import compat, features, plugin_loader
+from art_vllm_plugin.api_server.auth import require_api_key
 from art_vllm_plugin.api_server.slots import UpdateError
 from art_vllm_plugin.version import __version__
 
-router = APIRouter(prefix="/art")
+router = APIRouter(prefix="/art", dependencies=[Depends(require_api_key)])
 
 
 def _error(status: int, message: str) -> JSONResponse:

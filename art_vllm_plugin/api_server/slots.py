@@ -24,6 +24,7 @@ from art_vllm_plugin.adapters import (
     read_signature,
     validate_adapter,
 )
+from art_vllm_plugin.api_server.paths import PathPolicy, PathRefused
 
 
 class UpdateError(Exception):
@@ -57,8 +58,9 @@ class Slot:
 
 
 class SlotRegistry:
-    def __init__(self, engine_client, serving_models, max_lora_rank: int):
+    def __init__(self, engine_client, serving_models, max_lora_rank: int, paths: PathPolicy):
         self.engine_client = engine_client
+        self.paths = paths
         self.serving_models = serving_models
         self.max_lora_rank = max_lora_rank
         self.slots: dict[str, Slot] = {}
@@ -86,6 +88,13 @@ class SlotRegistry:
         slot = self.slots.get(name)
         if slot is None:
             raise UpdateError(404, f"unknown slot {name!r}; slots: {sorted(self.slots)}")
+        try:
+            resolved = str(self.paths.resolve(path))
+        except PathRefused as exc:
+            slot.failed_updates += 1
+            raise UpdateError(
+                403, f"{exc}; slot {name!r} keeps serving version {slot.version}"
+            ) from exc
         async with self._lock:
             if version <= slot.version:
                 raise UpdateError(
@@ -95,7 +104,7 @@ class SlotRegistry:
                 )
             try:
                 await asyncio.to_thread(
-                    validate_adapter, path, name, slot.reference, self.max_lora_rank
+                    validate_adapter, resolved, name, slot.reference, self.max_lora_rank
                 )
             except AdapterError as exc:
                 slot.failed_updates += 1
@@ -108,22 +117,22 @@ class SlotRegistry:
                     "art_update_lora_slot",
                     slot.lora_int_id,
                     name,
-                    path,
+                    resolved,
                     version,
                 )
             except Exception as exc:
                 slot.failed_updates += 1
                 raise UpdateError(
                     422,
-                    f"engine refused the adapter at {path}: {exc}; slot "
+                    f"engine refused the adapter at {resolved}: {exc}; slot "
                     f"{name!r} keeps serving version {slot.version}",
                 ) from exc
             slot.version = version
-            slot.path = path
+            slot.path = resolved
             slot.updated_at = time.time()
             slot.updates += 1
             slot.last_update_ms = (time.perf_counter() - t0) * 1000.0
-            self._point_new_requests_at(name, path)
+            self._point_new_requests_at(name, resolved)
             return {
                 "slot": name,
                 "version": version,

@@ -5,8 +5,11 @@ from __future__ import annotations
 import time
 from argparse import Namespace
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from art_vllm_plugin.api_server.auth import configured_keys
+from art_vllm_plugin.api_server.paths import PathPolicy
 from art_vllm_plugin.api_server.slots import SlotRegistry
 
 
@@ -16,6 +19,7 @@ class ArtApiState:
     args: Namespace
     started_at: float
     slots: SlotRegistry
+    api_key_digests: list[bytes]
 
     @classmethod
     def create(cls, engine_client: Any, args: Namespace, app_state: Any) -> ArtApiState:
@@ -28,9 +32,26 @@ class ArtApiState:
         response_spans.install()
         serving_models = getattr(app_state, "openai_serving_models", None)
         lora_enabled = engine_client.vllm_config.lora_config is not None
+        start_paths = (
+            [r.lora_path for r in serving_models.lora_requests.values()]
+            if (serving_models is not None)
+            else []
+        )
+        paths = PathPolicy.create(
+            roots=getattr(args, "art_adapter_roots", None) or [],
+            maps=getattr(args, "art_path_maps", None) or [],
+            default_roots=[str(Path(p).resolve().parent) for p in start_paths],
+        )
         registry = SlotRegistry(
             engine_client,
             serving_models,
             compat.max_lora_rank(engine_client) if lora_enabled else 0,
+            paths,
         )
-        return cls(engine_client=engine_client, args=args, started_at=time.time(), slots=registry)
+        return cls(
+            engine_client=engine_client,
+            args=args,
+            started_at=time.time(),
+            slots=registry,
+            api_key_digests=configured_keys(getattr(args, "api_key", None)),
+        )

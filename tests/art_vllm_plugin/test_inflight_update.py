@@ -24,7 +24,12 @@ LONG = 460
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tiny_adapters, server_log):
+def bad_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("bad")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tiny_adapters, server_log, bad_root):
     a, b = tiny_adapters / "a", tiny_adapters / "b"
     config = serve_process.ServeConfig(
         model=str(tiny_model),
@@ -34,6 +39,10 @@ def server(tiny_model, tiny_adapters, server_log):
             f"policy={a}",
             f"ref_a={a}",
             f"ref_b={b}",
+            "--art-adapter-root",
+            str(tiny_adapters),
+            "--art-adapter-root",
+            str(bad_root),
         ),
         log_path=server_log,
     )
@@ -238,8 +247,8 @@ BAD = [
 
 
 @pytest.fixture(scope="module")
-def bad_adapters(tiny_adapters, tmp_path_factory):
-    return make_bad_adapters(tiny_adapters / "c", tmp_path_factory.mktemp("bad"))
+def bad_adapters(tiny_adapters, bad_root):
+    return make_bad_adapters(tiny_adapters / "c", bad_root)
 
 
 @pytest.mark.parametrize("case", BAD)

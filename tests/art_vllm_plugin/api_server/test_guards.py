@@ -1,0 +1,122 @@
+"""Guarded `/art/*` routes (API key) and safe adapter paths, on a real server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import httpx
+import pytest
+from support.vllm_server import LORA_ARGS
+
+from art_vllm_plugin import serve_process
+
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory, tiny_adapters):
+    base = tmp_path_factory.mktemp("roots")
+    allowed, outside = base / "allowed", base / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    for name in ("a", "b", "c"):
+        shutil.copytree(tiny_adapters / name, allowed / name)
+    shutil.copytree(tiny_adapters / "c", outside / "c")
+    os.symlink(outside / "c", allowed / "escape")  # a link inside the root that leaves it
+    return {"allowed": allowed, "outside": outside}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, roots, server_log):
+    config = serve_process.ServeConfig(
+        model=str(tiny_model),
+        args=(
+            *LORA_ARGS,
+            "--lora-modules",
+            f"policy={roots['allowed'] / 'a'}",
+            "--api-key",
+            KEY,
+            "--art-adapter-root",
+            str(roots["allowed"]),
+            "--art-path-map",
+            f"/trainer/ckpts={roots['allowed']}",
+        ),
+        log_path=server_log,
+    )
+    with serve_process.serving(config) as srv:
+        yield srv
+
+
+def call(server, method, route, key=None, json=None):
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.request(method, server.url + route, headers=headers, json=json, timeout=60)
+
+
+ROUTES = [
+    ("GET", "/art/v1/capabilities"),
+    ("GET", "/art/v1/slots"),
+    ("GET", "/art/v1/engine"),
+    ("POST", "/art/v1/lora/update"),
+]
+
+
+@pytest.mark.parametrize(("method", "route"), ROUTES)
+def test_every_art_route_needs_the_key(server, method, route):
+    body = {"slot": "policy", "path": "/trainer/ckpts/b", "version": 10**6}
+    assert call(server, method, route, json=body).status_code == 401
+    assert call(server, method, route, key="wrong", json=body).status_code == 401
+
+
+@pytest.mark.parametrize(("method", "route"), ROUTES[:3])
+def test_read_routes_answer_with_the_right_key(server, method, route):
+    assert call(server, method, route, key=KEY).status_code == 200
+
+
+def test_vllm_v1_routes_follow_the_same_rule(server):
+    assert httpx.get(server.url + "/v1/models", timeout=60).status_code == 401
+    assert call(server, "GET", "/v1/models", key=KEY).status_code == 200
+
+
+def _version(server):
+    return call(server, "GET", "/art/v1/slots", key=KEY).json()[0]["version"]
+
+
+def test_update_with_the_key_through_a_trainer_path_map(server, roots):
+    v = _version(server) + 1
+    resp = call(
+        server,
+        "POST",
+        "/art/v1/lora/update",
+        key=KEY,
+        json={"slot": "policy", "path": "/trainer/ckpts/b", "version": v},
+    )
+    assert resp.status_code == 200, resp.text
+    slot = call(server, "GET", "/art/v1/slots", key=KEY).json()[0]
+    assert slot["version"] == v
+    assert slot["path"] == str((roots["allowed"] / "b").resolve())
+
+
+@pytest.mark.parametrize("case", ["dotdot", "symlink_escape", "outside_root"])
+def test_paths_leaving_the_roots_are_refused(server, roots, case):
+    before = _version(server)
+    path = {
+        "dotdot": f"{roots['allowed']}/../outside/c",
+        "symlink_escape": str(roots["allowed"] / "escape"),
+        "outside_root": str(roots["outside"] / "c"),
+    }[case]
+    resp = call(
+        server,
+        "POST",
+        "/art/v1/lora/update",
+        key=KEY,
+        json={"slot": "policy", "path": path, "version": before + 1},
+    )
+    assert resp.status_code == 403, resp.text
+    message = resp.json()["error"]["message"]
+    if case == "dotdot":
+        assert "contains '..'" in message
+    else:
+        assert str((roots["outside"] / "c").resolve()) in message
+        assert "outside every allowed root" in message
+    assert _version(server) == before
