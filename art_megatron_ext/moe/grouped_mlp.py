@@ -1,0 +1,143 @@
+"""`ArtGroupedMLP`: Megatron expert MLP on our grouped GEMM op (no Transformer Engine needed).
+
+Why: Megatron-core 0.19 offers grouped experts only through Transformer Engine (`TEGroupedMLP`);
+without TE a trainer falls back to `SequentialMLP`, one matmul per expert. This module keeps
+`SequentialMLP`'s maths (fc1, activation or GLU, per-token prob scale, fc2) but runs each
+linear as one `grouped_gemm` over all local experts: CUTLASS on sm_90, `torch._grouped_mm`
+elsewhere. Select it with `art_moe_layer_spec(...)` in place of Megatron's MoE spec.
+
+Weights are stored expert-major and input-major, the layout the op takes: `weight1`
+[L, hidden, F1] (F1 = 2*ffn for gated units: gate columns first, then up, as Megatron's
+`torch.chunk`) and `weight2` [L, ffn, hidden]; expert e's `SequentialMLP` weights are the
+transposes (`copy_from_sequential_mlp`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from art_megatron_ext.ops import BACKENDS, grouped_gemm
+
+
+@dataclass(frozen=True)
+class GroupedMLPOptions:
+    """How the expert GEMMs run: "auto" (CUTLASS on sm_90 bf16, else torch), "cutlass", "torch"."""
+
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"GroupedMLPOptions.backend={self.backend!r}; expected {BACKENDS}")
+
+
+def _megatron_module():
+    from megatron.core.transformer.module import MegatronModule
+
+    return MegatronModule
+
+
+class ArtGroupedMLP(_megatron_module()):
+    """Experts of one MoE layer as two grouped GEMMs (the `ExpertsBuilder` signature).
+
+    Args:
+        num_local_experts: L, experts on this rank.
+        config: Megatron `TransformerConfig` (moe_ffn_hidden_size, gated_linear_unit,
+            activation_func, init methods, params_dtype).
+        pg_collection: Megatron's process groups; expert tensor parallelism must be 1.
+        options: `GroupedMLPOptions`.
+    """
+
+    def __init__(
+        self,
+        num_local_experts,
+        config,
+        *,
+        pg_collection=None,
+        name=None,
+        options: GroupedMLPOptions | None = None,
+    ):
+        super().__init__(config=config)
+        self.options = options or GroupedMLPOptions()
+        self.num_local_experts = num_local_experts
+        expt_tp = getattr(pg_collection, "expt_tp", None) if pg_collection is not None else None
+        if expt_tp is not None and expt_tp.size() != 1:
+            raise ValueError(
+                f"ArtGroupedMLP supports expert tensor parallel size 1, got {expt_tp.size()}"
+            )
+        if config.add_bias_linear:
+            raise ValueError("ArtGroupedMLP has no expert biases; set add_bias_linear=False")
+        if config.fp8 or config.fp4:
+            raise ValueError("ArtGroupedMLP runs bf16/fp32 experts; fp8/fp4 needs TEGroupedMLP")
+        ffn = config.moe_ffn_hidden_size
+        fc1_out = 2 * ffn if config.gated_linear_unit else ffn
+        kw = dict(
+            dtype=config.params_dtype,
+            device=None if config.use_cpu_initialization else torch.cuda.current_device(),
+        )
+        self.weight1 = torch.nn.Parameter(
+            torch.empty(num_local_experts, config.hidden_size, fc1_out, **kw)
+        )
+        self.weight2 = torch.nn.Parameter(
+            torch.empty(num_local_experts, ffn, config.hidden_size, **kw)
+        )
+        for param in (self.weight1, self.weight2):
+            param.allreduce = False  # expert parameters: reduced over the expert-DP group
+        with torch.no_grad():
+            for e in range(num_local_experts):  # init as [out, in], like Megatron's linears
+                w1 = torch.empty(fc1_out, config.hidden_size, dtype=torch.float32)
+                config.init_method(w1)
+                self.weight1[e].copy_(w1.t())
+                w2 = torch.empty(config.hidden_size, ffn, dtype=torch.float32)
+                config.output_layer_init_method(w2)
+                self.weight2[e].copy_(w2.t())
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if not cfg.gated_linear_unit:
+            return cfg.activation_func(h)
+        x_glu, x_linear = torch.chunk(h, 2, dim=-1)
+        if (clamp := cfg.activation_func_clamp_value) is not None:
+            x_glu = x_glu.clamp(min=None, max=clamp)
+            x_linear = x_linear.clamp(min=-clamp, max=clamp)
+        return cfg.activation_func(x_glu) * (x_linear + cfg.glu_linear_offset)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        """Same contract as `SequentialMLP.forward`: returns (output [rows, hidden], None)."""
+        hidden = permuted_local_hidden_states
+        if self.config.moe_apply_probs_on_input:
+            hidden = (permuted_probs.unsqueeze(-1) * hidden).to(hidden.dtype)
+            permuted_probs = torch.ones_like(permuted_probs)
+        backend = self.options.backend
+        h = grouped_gemm(hidden, self.weight1, tokens_per_expert, backend=backend)
+        h = self._activation(h)
+        h = (h * permuted_probs.unsqueeze(-1)).to(h.dtype)
+        return grouped_gemm(h, self.weight2, tokens_per_expert, backend=backend), None
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in the main backward (no delayed wgrad)."""
+
+    @torch.no_grad()
+    def copy_from_sequential_mlp(self, sequential) -> None:
+        """Load the weights of a Megatron `SequentialMLP` with the same config (for tests and
+        for converting checkpoints)."""
+        for e, expert in enumerate(sequential.local_experts):
+            self.weight1[e].copy_(expert.linear_fc1.weight.t())
+            self.weight2[e].copy_(expert.linear_fc2.weight.t())
+
+
+def art_moe_layer_spec(num_experts: int, options: GroupedMLPOptions | None = None):
+    """Megatron's local (non-TE) MoE layer spec with `ArtGroupedMLP` as the experts."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+    base = get_moe_module_spec(use_te=False, num_experts=num_experts)
+    submodules = MoESubmodules(
+        **{
+            **base.keywords["submodules"].__dict__,
+            "experts": partial(ArtGroupedMLP, options=options or GroupedMLPOptions()),
+        }
+    )
+    return partial(base.func, submodules=submodules)

@@ -1,0 +1,185 @@
+"""ctypes binding of `libart_grouped_gemm.so` (csrc/grouped_gemm), built through hybridep.build.
+
+Why ctypes and not a torch extension: the library is a plain `nvcc -shared` build with a C ABI
+(see docs/kernels.md), so the same binary works under any torch build; tensors cross the ABI
+as raw device pointers plus the current CUDA stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from hybridep import build as kbuild
+
+ABI_VERSION = 1
+CONFIG_AUTO = -1
+CONFIG_NAMES = {0: "cooperative_256x128x64", 1: "pingpong_128x128x64"}
+SYMBOLS = (
+    "art_grouped_gemm_abi_version",
+    "art_grouped_gemm_workspace_size",
+    "art_grouped_gemm_pick_config",
+    "art_grouped_gemm_fwd",
+    "art_grouped_gemm_dgrad",
+    "art_grouped_gemm_wgrad",
+)
+_STATUS = {
+    10001: "ABI mismatch (params version/size differ from the library)",
+    10002: "bad argument (shape, alignment or null pointer)",
+    10003: "unsupported request",
+    10004: "CUTLASS refused the problem (can_implement/initialize/run)",
+}
+
+
+class CutlassGroupedGemmError(RuntimeError):
+    """A call into the CUTLASS grouped GEMM library returned an error status."""
+
+
+class GroupedGemmParams(ctypes.Structure):
+    """Mirror of `ArtGroupedGemmParams` in csrc/grouped_gemm/grouped_gemm.h (same field order)."""
+
+    _fields_ = [
+        ("abi_version", ctypes.c_uint32),
+        ("struct_size", ctypes.c_uint32),
+        ("num_groups", ctypes.c_int32),
+        ("config", ctypes.c_int32),
+        ("total_rows", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("group_end", ctypes.c_void_p),
+        ("a", ctypes.c_void_p),
+        ("b", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_int64),
+        ("stream", ctypes.c_void_p),
+        ("device", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+def library_spec() -> kbuild.KernelLibrarySpec:
+    """The build recipe: four translation units, CUTLASS headers from `nvidia-cutlass`."""
+    import cutlass_library
+
+    cutlass_root = Path(cutlass_library.__file__).parent / "source"
+    src = kbuild.CSRC_DIR / "grouped_gemm"
+    version = getattr(cutlass_library, "__version__", "unknown")
+    return kbuild.KernelLibrarySpec(
+        name="art_grouped_gemm",
+        sources=tuple(src / f for f in ("gg_api.cu", "gg_fwd.cu", "gg_dgrad.cu", "gg_wgrad.cu")),
+        symbols=SYMBOLS,
+        include_dirs=(
+            kbuild.CSRC_DIR / "common",
+            src,
+            cutlass_root / "include",
+            cutlass_root / "tools" / "util" / "include",
+        ),
+        headers=(kbuild.CSRC_DIR / "common" / "art_abi.h",),
+        # the CUTLASS version is part of the cache key through this define
+        extra_flags=(f'-DART_CUTLASS_PKG_VERSION="{version}"',),
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def load_library(config: kbuild.BuildConfig | None = None) -> ctypes.CDLL:
+    """Build (once, cached on disk) and load the library for the current GPU."""
+    built = kbuild.build(library_spec(), config)
+    lib = kbuild.load(built, kbuild.device_arch())
+    for name in SYMBOLS[1:]:
+        getattr(lib, name).argtypes = [ctypes.POINTER(GroupedGemmParams)] + (
+            [ctypes.POINTER(ctypes.c_int64)] if name.endswith("workspace_size") else []
+        )
+        getattr(lib, name).restype = ctypes.c_int
+    lib.art_grouped_gemm_pick_config.argtypes = [
+        ctypes.POINTER(GroupedGemmParams),
+        ctypes.POINTER(ctypes.c_int32),
+    ]
+    lib.art_grouped_gemm_abi_version.restype = ctypes.c_uint32
+    if lib.art_grouped_gemm_abi_version() != ABI_VERSION:
+        raise CutlassGroupedGemmError(
+            f"{built.path} has ABI version {lib.art_grouped_gemm_abi_version()}, expected "
+            f"{ABI_VERSION}; delete the cache entry {built.path.parent}"
+        )
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        reason = _STATUS.get(status) or f"CUDA error {status}"
+        raise CutlassGroupedGemmError(f"CUTLASS grouped GEMM {what} failed: {reason}")
+
+
+def _params(a, b, out, group_end, k, n, total_rows, config) -> GroupedGemmParams:
+    return GroupedGemmParams(
+        abi_version=ABI_VERSION,
+        struct_size=ctypes.sizeof(GroupedGemmParams),
+        num_groups=group_end.numel(),
+        config=config,
+        total_rows=total_rows,
+        k=k,
+        n=n,
+        group_end=group_end.data_ptr(),
+        a=a.data_ptr(),
+        b=b.data_ptr(),
+        out=out.data_ptr(),
+        stream=torch.cuda.current_stream(a.device).cuda_stream,
+        device=a.device.index if a.device.index is not None else torch.cuda.current_device(),
+    )
+
+
+def _call(op: str, params: GroupedGemmParams, device, lib) -> None:
+    size = ctypes.c_int64(0)
+    _check(lib.art_grouped_gemm_workspace_size(ctypes.byref(params), ctypes.byref(size)), op)
+    workspace = torch.empty(size.value, dtype=torch.uint8, device=device)
+    params.workspace = workspace.data_ptr()
+    params.workspace_bytes = size.value
+    _check(getattr(lib, f"art_grouped_gemm_{op}")(ctypes.byref(params)), op)
+
+
+def fwd(x, w, group_end, config: int = CONFIG_AUTO, lib=None) -> torch.Tensor:
+    """Y[T,n] with Y_g = X_g @ W_g; x [T,k] and w [G,k,n] contiguous bf16 on an sm_90 GPU."""
+    lib = lib or load_library()
+    y = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
+    p = _params(x, w, y, group_end, w.shape[1], w.shape[2], x.shape[0], config)
+    _call("fwd", p, x.device, lib)
+    return y
+
+
+def dgrad(dy, w, group_end, config: int = CONFIG_AUTO, lib=None) -> torch.Tensor:
+    """dX[T,k] with dX_g = dY_g @ W_g^T."""
+    lib = lib or load_library()
+    dx = torch.empty(dy.shape[0], w.shape[1], dtype=dy.dtype, device=dy.device)
+    p = _params(dy, w, dx, group_end, w.shape[1], w.shape[2], dy.shape[0], config)
+    _call("dgrad", p, dy.device, lib)
+    return dx
+
+
+def wgrad(x, dy, group_end, config: int = CONFIG_AUTO, lib=None) -> torch.Tensor:
+    """dW[G,k,n] with dW_g = X_g^T @ dY_g (zero for an empty group)."""
+    lib = lib or load_library()
+    groups = group_end.numel()
+    dw = torch.empty(groups, x.shape[1], dy.shape[1], dtype=x.dtype, device=x.device)
+    p = _params(x, dy, dw, group_end, x.shape[1], dy.shape[1], x.shape[0], config)
+    _call("wgrad", p, x.device, lib)
+    return dw
+
+
+def picked_config(total_rows: int, groups: int, k: int, n: int, lib=None) -> str:
+    """Name of the tile config AUTO chooses for a forward of this shape."""
+    lib = lib or load_library()
+    p = GroupedGemmParams(
+        abi_version=ABI_VERSION,
+        struct_size=ctypes.sizeof(GroupedGemmParams),
+        num_groups=groups,
+        config=CONFIG_AUTO,
+        total_rows=total_rows,
+        k=k,
+        n=n,
+    )
+    chosen = ctypes.c_int32(-1)
+    _check(lib.art_grouped_gemm_pick_config(ctypes.byref(p), ctypes.byref(chosen)), "pick")
+    return CONFIG_NAMES[chosen.value]

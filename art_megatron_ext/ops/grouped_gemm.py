@@ -1,0 +1,190 @@
+"""`grouped_gemm(x, w, tokens_per_expert)`: the expert GEMM of a MoE layer, with autograd.
+
+Rows of `x` are grouped by expert (group g = the next `tokens_per_expert[g]` rows) and
+`Y_g = X_g @ W_g`. Two kernels sit behind one `autograd.Function`:
+
+- `cutlass`: our CUTLASS sm_90a ptr-array grouped GEMM (csrc/grouped_gemm), bf16 on Hopper.
+- `torch`: `torch._grouped_mm`, which runs everywhere (CPU included) in fp32/bf16/fp16.
+
+`auto` takes `cutlass` where it can run and `torch` elsewhere; asking for `cutlass` where it
+cannot run raises. Both kernels need 16-byte aligned row pitches, so K and N are padded to a
+multiple of 8 inside the op with differentiable `F.pad`/slicing: callers see logical shapes, and
+the gradient of a padded region is dropped by autograd, never added to a logical weight.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Backend = Literal["auto", "cutlass", "torch"]
+BACKENDS: tuple[str, ...] = ("auto", "cutlass", "torch")
+ALIGN_ELEMENTS = 8
+"""K and N are padded to this many elements: 16 bytes in bf16 (TMA) and >= 16 bytes in fp32."""
+TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class GroupedGemmBackendError(RuntimeError):
+    """The requested backend cannot run these inputs on this machine (says why)."""
+
+
+def cutlass_unavailable_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why the CUTLASS kernel cannot take (x, w) here, or None if it can."""
+    if not (x.is_cuda and w.is_cuda):
+        return f"tensors are on {x.device}/{w.device}; the CUTLASS kernel needs an sm_90 GPU"
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return f"dtypes are {x.dtype}/{w.dtype}; the CUTLASS kernel takes bfloat16 only"
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if (major, minor) != (9, 0):
+        return f"GPU {x.device} has compute capability {major}.{minor}; the kernel is sm_90a"
+    if shutil.which("nvcc") is None:
+        return "nvcc is not on PATH, so the CUTLASS kernel cannot be built"
+    return None
+
+
+def resolve_backend(requested: str, x: torch.Tensor, w: torch.Tensor) -> str:
+    if requested not in BACKENDS:
+        raise ValueError(f"backend={requested!r}; expected one of {BACKENDS}")
+    if requested == "torch":
+        return "torch"
+    reason = cutlass_unavailable_reason(x, w)
+    if requested == "cutlass" and reason is not None:
+        raise GroupedGemmBackendError(f"grouped_gemm(backend='cutlass') cannot run: {reason}")
+    return "cutlass" if reason is None else "torch"
+
+
+class _TorchKernels:
+    """`torch._grouped_mm` forms of the three products (the reference and the CPU path)."""
+
+    @staticmethod
+    def fwd(x, w, group_end):
+        return torch._grouped_mm(x, w, offs=group_end)
+
+    @staticmethod
+    def dgrad(dy, w, group_end):
+        return torch._grouped_mm(dy, w.transpose(1, 2), offs=group_end)
+
+    @staticmethod
+    def wgrad(x, dy, group_end):
+        return torch._grouped_mm(x.t(), dy, offs=group_end)
+
+
+@functools.cache
+def _kernels(backend: str):
+    if backend == "torch":
+        return _TorchKernels
+    from art_megatron_ext.ops import cutlass_grouped_gemm
+
+    return cutlass_grouped_gemm
+
+
+class GroupedGemmFunction(torch.autograd.Function):
+    """Autograd over aligned inputs: forward Y_g = X_g W_g, dgrad dY_g W_g^T, wgrad X_g^T dY_g.
+
+    A weight stored as `[G, N, K]` (the `nn.Linear` layout, passed as its transposed view) is
+    used in place: forward runs the dgrad kernel on it, dgrad the forward kernel and wgrad
+    computes dW^T directly, so neither direction copies the weight.
+
+    Args:
+        x: [T, K] contiguous, K % 8 == 0.
+        w: [G, K, N], contiguous or the transpose of a contiguous [G, N, K]; N % 8 == 0.
+        group_end: [G] int32 cumulative row ends on x's device (last == T).
+        backend: "cutlass" or "torch" (already resolved).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, group_end, backend):
+        kernels = _kernels(backend)
+        transposed = not w.is_contiguous() and w.transpose(1, 2).is_contiguous()
+        w_stored = w.transpose(1, 2) if transposed else w.contiguous()
+        ctx.save_for_backward(x, w_stored, group_end)
+        ctx.backend, ctx.transposed = backend, transposed
+        if transposed:  # Y = X @ Wt^T with Wt [G, N, K]
+            return kernels.dgrad(x, w_stored, group_end)
+        return kernels.fwd(x, w_stored, group_end)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w_stored, group_end = ctx.saved_tensors
+        kernels = _kernels(ctx.backend)
+        dy = dy.contiguous()  # a broadcast gradient (from .sum()) has zero strides
+        dx = dw = None
+        if ctx.transposed:
+            if ctx.needs_input_grad[0]:
+                dx = kernels.fwd(dy, w_stored, group_end)  # dY @ Wt
+            if ctx.needs_input_grad[1]:
+                dw = kernels.wgrad(dy, x, group_end).transpose(1, 2)  # (dY^T X)^T
+        else:
+            if ctx.needs_input_grad[0]:
+                dx = kernels.dgrad(dy, w_stored, group_end)
+            if ctx.needs_input_grad[1]:
+                dw = kernels.wgrad(x, dy, group_end)
+        return dx, dw, None, None
+
+
+def _group_end(tokens_per_expert, groups: int, rows: int, device) -> torch.Tensor:
+    if isinstance(tokens_per_expert, Sequence) and not isinstance(tokens_per_expert, torch.Tensor):
+        tokens_per_expert = torch.tensor(list(tokens_per_expert), dtype=torch.int64)
+    if tokens_per_expert.dim() != 1 or tokens_per_expert.numel() != groups:
+        raise ValueError(
+            f"tokens_per_expert has shape {tuple(tokens_per_expert.shape)}; expected ({groups},) "
+            "to match w.shape[0]"
+        )
+    if not tokens_per_expert.is_cuda:  # checkable without a device sync
+        counts = tokens_per_expert.tolist()
+        if min(counts, default=0) < 0 or sum(counts) != rows:
+            raise ValueError(
+                f"tokens_per_expert {counts} must be non-negative and sum to x.shape[0]={rows}"
+            )
+    return tokens_per_expert.cumsum(0).to(device=device, dtype=torch.int32)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    tokens_per_expert: torch.Tensor | Sequence[int],
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Grouped GEMM with autograd: out[rows of g] = x[rows of g] @ w[g].
+
+    Args:
+        x: [T, K] rows sorted by expert.
+        w: [G, K, N] one weight per expert (local experts of this rank); a transposed view
+            of an `nn.Linear`-layout [G, N, K] tensor is used without a copy.
+        tokens_per_expert: [G] row counts (CPU or device tensor, or a list); zeros allowed; they
+            must sum to T (checked when on the CPU; on the GPU that check would sync).
+        backend: "auto" (CUTLASS on sm_90 bf16, else torch), "cutlass" or "torch".
+
+    Returns:
+        [T, N] in x's dtype.
+    """
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(
+            f"expected x [T, K] and w [G, K, N] with equal K; got x {tuple(x.shape)}, "
+            f"w {tuple(w.shape)}"
+        )
+    if x.dtype != w.dtype:
+        raise ValueError(f"x and w dtypes differ: {x.dtype} vs {w.dtype}")
+    resolved = resolve_backend(backend, x, w)
+    if resolved == "torch" and x.dtype not in TORCH_DTYPES:
+        raise GroupedGemmBackendError(
+            f"torch._grouped_mm takes {TORCH_DTYPES}, not {x.dtype}; cast the inputs"
+        )
+    groups, k, n = w.shape
+    group_end = _group_end(tokens_per_expert, groups, x.shape[0], x.device)
+    k_pad, n_pad = _round_up(k, ALIGN_ELEMENTS), _round_up(n, ALIGN_ELEMENTS)
+    if k_pad != k:
+        x = F.pad(x, (0, k_pad - k))
+    if (k_pad, n_pad) != (k, n):
+        w = F.pad(w, (0, n_pad - n, 0, k_pad - k))
+    out = GroupedGemmFunction.apply(x.contiguous(), w, group_end, resolved)
+    return out[:, :n] if n_pad != n else out

@@ -1,0 +1,103 @@
+// C ABI of the HybridEP CUDA kernels (libart_hybridep.so). See docs/kernels.md and
+// hybridep/backends/cuda.py; the semantics are those of hybridep/layout.py and movement.py,
+// reproduced bit for bit.
+//
+// Vocabulary: W ranks (one NVLink domain; inter-node is refused on the Python side), T tokens
+// per rank, L local experts, E = W*L, S = W*T slots (source rank, token), N receive rows,
+// M permuted rows. All arrays are device pointers, row-major, int32 unless said otherwise.
+#pragma once
+#include <cstdint>
+
+#include "art_abi.h"
+
+#define ART_HYBRIDEP_ABI_VERSION 1u
+
+// Preprocessing of one dispatch on one rank, from the all-gathered routing map.
+struct ArtHepLayoutParams {
+  uint32_t abi_version;
+  uint32_t struct_size;
+  int32_t device;
+  int32_t world_size;         // W
+  int32_t rank;
+  int32_t num_tokens;         // T
+  int32_t num_local_experts;  // L
+  int32_t pad_multiple;       // P >= 1
+  int64_t budget;             // M in static-budget mode, -1 = blocking (no clamp)
+  const uint8_t* global_map;  // [S, E] 0/1 bytes, slot-major (source rank, then token)
+  uint8_t* need;              // out [S, W]: slot uses an expert of rank d
+  int32_t* sparse_to_dense;   // out [T, W]: own token's row at rank d, or -1
+  int32_t* positions;         // out [S, L]: permuted row of (slot, local expert), or -1
+  int64_t* tokens_per_expert; // out [L]: padded block sizes (clamped to the budget)
+  int32_t* overflow_flag;     // out [1]
+  int64_t* scratch;           // [2*L + 1] int64 workspace
+  void* stream;
+};
+
+// Local permute (receive rows -> expert-major) and unpermute (the reverse, fp32 sum).
+struct ArtHepPermuteParams {
+  uint32_t abi_version;
+  uint32_t struct_size;
+  int32_t device;
+  int32_t dtype;              // 0 bf16, 1 fp16, 2 fp32 (unpermute sums in fp32 and rounds once)
+  int64_t num_recv_rows;      // N
+  int64_t num_permuted;       // M
+  int64_t hidden_dim;         // H
+  int32_t num_local_experts;  // L
+  int32_t max_blocks;         // grid cap (HybridEPConfig.num_blocks_(un)permute); 0 = one per row
+  const int32_t* positions;   // [N, L] (the handle's dense_to_expert_map)
+  const void* recv_hidden;    // permute in [N, H]      | unpermute out [N, H]
+  const float* recv_probs;    // permute in [N, L] / nullptr | unpermute out [N, L] / nullptr
+  const void* tokens;         // permute out [M, H]     | unpermute in [M, H]
+  const float* probs;         // permute out [M] / nullptr | unpermute in [M] / nullptr
+  int32_t* source;            // permute scratch [M]
+  void* stream;
+};
+
+// Intra-node dispatch (push into peers' receive buffers) and combine (pull and reduce).
+struct ArtHepIntraParams {
+  uint32_t abi_version;
+  uint32_t struct_size;
+  int32_t device;
+  int32_t dtype;              // as above (combine's reduction)
+  int32_t world_size;
+  int32_t rank;
+  int32_t num_tokens;         // T
+  int32_t num_local_experts;  // L
+  int64_t hidden_dim;         // H
+  int32_t static_budget;      // 1: every own slot row is written (zeros where not routed)
+  int32_t max_blocks;         // grid cap (HybridEPConfig.num_sms_dispatch/combine); 0 = none
+  const int32_t* sparse_to_dense;  // [T, W]
+  void* const* peer_tokens;   // device array [W]: each rank's receive-row token area
+  void* const* peer_probs;    // device array [W]: each rank's receive-row prob area [rows, L]
+  const void* hidden;         // dispatch in [T, H]      | combine out [T, H]
+  const float* probs;         // dispatch in [T, E] / nullptr | combine out [T, E] / nullptr
+  void* stream;
+};
+
+// Cross-rank barrier on a counter in rank 0's registered buffer (monotonic, never reset).
+struct ArtHepBarrierParams {
+  uint32_t abi_version;
+  uint32_t struct_size;
+  int32_t device;
+  int32_t world_size;
+  unsigned long long* counter;  // rank 0's counter, mapped into this process
+  unsigned long long* epoch;    // this rank's own epoch word (device memory it alone uses)
+  int64_t timeout_cycles;       // clock64 budget of the spin; on expiry the kernel traps
+  void* stream;
+};
+
+ART_API uint32_t art_hybridep_abi_version(void);
+ART_API int art_hybridep_preprocess(const ArtHepLayoutParams* p);
+ART_API int art_hybridep_permute(const ArtHepPermuteParams* p);
+ART_API int art_hybridep_unpermute(const ArtHepPermuteParams* p);
+ART_API int art_hybridep_dispatch(const ArtHepIntraParams* p);
+ART_API int art_hybridep_combine(const ArtHepIntraParams* p);
+ART_API int art_hybridep_barrier(const ArtHepBarrierParams* p);
+// Registered (peer-visible) memory: a plain cudaMalloc block shared through CUDA IPC.
+ART_API int art_hybridep_alloc(int32_t device, int64_t bytes, void** ptr);
+ART_API int art_hybridep_free(int32_t device, void* ptr);
+ART_API int art_hybridep_ipc_handle(int32_t device, void* ptr, uint8_t* handle64);
+ART_API int art_hybridep_ipc_open(int32_t device, const uint8_t* handle64, void** ptr);
+ART_API int art_hybridep_ipc_close(int32_t device, void* ptr);
+ART_API int art_hybridep_memcpy_d2d(int32_t device, void* dst, const void* src, int64_t bytes,
+                                    void* stream);

@@ -1,0 +1,431 @@
+"""CUDA backend of `hybridep.Buffer`: our kernels (csrc/hybridep), one NVLink domain.
+
+Why this shape: every rank `cudaMalloc`s one *registered* block and shares it with the others
+through CUDA IPC; dispatch then writes each token straight into the receive row it will
+occupy on every destination rank, and combine pulls its tokens' rows back from every peer and
+reduces them, so no staging copy or host-side all-to-all sits on the path. The reference
+backend (`torch_ref`) is the specification: maps, permuted rows and reductions are equal bit
+for bit (same fp32 summation order, one rounding).
+
+Registered block of each rank (offsets 256-byte aligned):
+
+| region  | bytes                 | use                                                    |
+| ------- | --------------------- | ------------------------------------------------------ |
+| header  | 256                   | u64 barrier counter (rank 0's is the group's), u64 epoch |
+| map     | T_max * E             | this rank's routing map, read by every peer            |
+| tokens  | W * T_max * H * 2     | receive rows (dispatch) / rows to return (combine)     |
+| probs   | W * T_max * L * 4     | fp32 prob slices of those rows                         |
+
+Synchronization is a device-side barrier (a one-thread kernel on a counter in rank 0's
+header, with a clock64 timeout that traps) before and after every step that touches a peer's
+memory, so nothing here synchronizes the host except the blocking layout's counts.
+
+Launch tunables of `HybridEPConfig` cap the grids: `num_sms_dispatch` / `num_sms_combine` the
+dispatch and combine kernels (SMs left free for overlapping compute), `num_blocks_permute` /
+`num_blocks_unpermute` the local kernels (0 = the kernel's own grid, one block per row).
+
+Scope: one node. A group spanning hosts is refused (inter-node RDMA is not implemented);
+hidden states moved between ranks are 16-bit (bf16/fp16), which is what the buffer is sized
+for; an sm_90 GPU and `nvcc` (first use builds the kernels) are required.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridep import build as kbuild
+from hybridep import build_hybridep_abi as abi
+from hybridep.backends import BackendUnavailable, BufferSpec
+from hybridep.handle import DispatchHandle
+
+BARRIER_TIMEOUT_CYCLES = 20_000_000_000
+"""~10 s at H200 clocks: a peer that never arrives makes the barrier trap instead of hang."""
+_ALIGN = 256
+_HEADER_BYTES = 256
+_MOVED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def check_single_node(hostnames: list[str]) -> None:
+    """Refuse a group whose ranks sit on more than one host (inter-node is out of scope)."""
+    hosts = sorted(set(hostnames))
+    if len(hosts) > 1:
+        raise BackendUnavailable(
+            f"hybridep backend 'cuda' handles one node (CUDA IPC over NVLink), but this group "
+            f"spans {len(hosts)} hosts {hosts}; inter-node (RDMA) dispatch is not implemented. "
+            "Use backend='torch' for multi-node groups."
+        )
+
+
+class _DeviceBytes:
+    """A raw device range as `__cuda_array_interface__`, so torch can view it without a copy."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class CudaBackend:
+    """HybridEP kernels over CUDA IPC within one node (see module docstring)."""
+
+    name = "cuda"
+
+    @classmethod
+    def unavailable_reason(cls, group: Any) -> str | None:
+        if not torch.cuda.is_available():
+            return "no CUDA device is visible (torch.cuda.is_available() is False)"
+        arch = kbuild.device_arch()
+        if arch != kbuild.SM90A:
+            return f"the GPU is {arch}; the HybridEP kernels are built for {kbuild.SM90A} only"
+        if shutil.which("nvcc") is None:
+            return "nvcc is not on PATH, so the kernels cannot be built on first use"
+        return None
+
+    def __init__(
+        self, group: Any, spec: BufferSpec, build_config: kbuild.BuildConfig | None = None
+    ) -> None:
+        reason = self.unavailable_reason(group)
+        if reason is not None:
+            raise BackendUnavailable(f"hybridep backend 'cuda' cannot run: {reason}")
+        self.group, self.spec = group, spec
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        hostnames: list[Any] = [None] * self.world_size
+        dist.all_gather_object(hostnames, socket.gethostname(), group=group)
+        check_single_node(hostnames)
+        self.device = torch.cuda.current_device()
+        self.lib = abi.load_library(build_config)
+        self._closed = True
+        self._allocate()
+
+    # -- registered memory ---------------------------------------------------------------
+    def _allocate(self) -> None:
+        world, spec = self.world_size, self.spec
+        self.max_tokens = _round_up(
+            max(spec.max_num_of_tokens_per_rank, 1), spec.config.token_chunk
+        )
+        max_rows = world * self.max_tokens
+        experts = world * spec.num_local_experts
+        sizes = {
+            "header": _HEADER_BYTES,
+            "map": self.max_tokens * experts,
+            "tokens": max_rows * spec.hidden_dim * 2,
+            "probs": max_rows * spec.num_local_experts * 4,
+        }
+        self._offsets, total = {}, 0
+        for region, size in sizes.items():
+            self._offsets[region] = total
+            total += _round_up(size, _ALIGN)
+        own = ctypes.c_void_p()
+        self._check(self.lib.art_hybridep_alloc(self.device, total, ctypes.byref(own)), "alloc")
+        self._own = own.value
+        handle = ctypes.create_string_buffer(64)
+        self._check(self.lib.art_hybridep_ipc_handle(self.device, self._own, handle), "ipc")
+        handles: list[Any] = [None] * world
+        dist.all_gather_object(handles, handle.raw, group=self.group)
+        self._bases = []
+        for peer, peer_handle in enumerate(handles):
+            if peer == self.rank:  # a process cannot open its own handle
+                self._bases.append(self._own)
+                continue
+            mapped = ctypes.c_void_p()
+            self._check(
+                self.lib.art_hybridep_ipc_open(self.device, peer_handle, ctypes.byref(mapped)),
+                f"ipc_open(rank {peer})",
+            )
+            self._bases.append(mapped.value)
+        self._closed = False
+        dev = torch.device("cuda", self.device)
+        self._peer_tokens = torch.tensor(
+            [b + self._offsets["tokens"] for b in self._bases], dtype=torch.int64, device=dev
+        )
+        self._peer_probs = torch.tensor(
+            [b + self._offsets["probs"] for b in self._bases], dtype=torch.int64, device=dev
+        )
+
+    def close(self) -> None:
+        """Collective: unmap peers' blocks, then free our own (importers close first)."""
+        if self._closed:
+            return
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        for peer, base in enumerate(self._bases):
+            if peer != self.rank:
+                self._check(self.lib.art_hybridep_ipc_close(self.device, base), "ipc_close")
+        dist.barrier(group=self.group)
+        self._check(self.lib.art_hybridep_free(self.device, self._own), "free")
+        self._closed = True
+
+    def _view(self, rank: int, region: str, nbytes: int) -> torch.Tensor:
+        """uint8 view of `nbytes` of `rank`'s region (mapped into this process)."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", self.device))
+        ptr = self._bases[rank] + self._offsets[region]
+        return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=torch.device("cuda", self.device))
+
+    def _check(self, status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(
+                f"hybridep CUDA {what} failed with status {status} on rank {self.rank}"
+            )
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _barrier(self) -> None:
+        params = abi.BarrierParams.make(
+            device=self.device,
+            world_size=self.world_size,
+            counter=self._bases[0] + self._offsets["header"],
+            epoch=self._own + self._offsets["header"] + 8,
+            timeout_cycles=BARRIER_TIMEOUT_CYCLES,
+            stream=self._stream(),
+        )
+        self._check(self.lib.art_hybridep_barrier(ctypes.byref(params)), "barrier")
+
+    # -- preprocessing -------------------------------------------------------------------
+    def preprocess(
+        self, routing_map: torch.Tensor, *, pad_multiple: int, num_permuted_tokens: int | None
+    ) -> DispatchHandle:
+        world, rank, num_local = self.world_size, self.rank, self.spec.num_local_experts
+        tokens, experts = routing_map.shape
+        if experts != world * num_local:
+            raise ValueError(
+                f"hybridep cuda: routing_map has {experts} experts, expected W*L = "
+                f"{world}*{num_local}"
+            )
+        if tokens > self.max_tokens:
+            raise ValueError(
+                f"hybridep cuda: {tokens} tokens exceed the buffer's {self.max_tokens} per rank"
+            )
+        dev = torch.device("cuda", self.device)
+        map_bytes = routing_map.to(dev).contiguous().view(torch.uint8).reshape(-1)
+        self._view(rank, "map", map_bytes.numel()).copy_(map_bytes)
+        self._barrier()  # every rank's map is in place
+        global_map = torch.cat([self._view(r, "map", map_bytes.numel()) for r in range(world)])
+        self._barrier()  # every rank has read every map before any is overwritten
+        static = num_permuted_tokens is not None
+        layout = compute_layout(
+            self.lib, global_map.view(world, tokens, experts), rank, num_local, pad_multiple,
+            int(num_permuted_tokens) if static else None,
+        )  # fmt: skip
+        need, sparse, positions = layout["need"], layout["sparse_to_dense"], layout["positions"]
+        tokens_per_expert, overflow = layout["tokens_per_expert"], layout["overflow_flag"]
+        slots = world * tokens
+        if static:
+            dense_map, num_rows, budget = positions, slots, int(num_permuted_tokens)
+            send_counts = recv_counts = None
+        else:  # blocking: exact sizes on the host (this is where it synchronizes)
+            need3 = need.view(world, tokens, world).bool()
+            dense_map = positions[need3[:, :, rank].reshape(-1)]
+            send_counts = tuple(need3[rank].sum(0).tolist())
+            recv_counts = tuple(need3[:, :, rank].sum(1).tolist())
+            num_rows = dense_map.shape[0]
+            tokens_per_expert = tokens_per_expert.cpu()
+            budget = int(tokens_per_expert.sum())
+        return DispatchHandle(
+            rank=rank, world_size=world, num_tokens=tokens, hidden_dim=self.spec.hidden_dim,
+            num_experts_per_rank=num_local, pad_multiple=pad_multiple, static_budget=static,
+            num_permuted_tokens=budget, num_recv_rows=num_rows, send_counts=send_counts,
+            recv_counts=recv_counts, sparse_to_dense_map=sparse,
+            dense_to_expert_map=dense_map.contiguous(), tokens_per_expert=tokens_per_expert,
+            overflow_flag=overflow,
+        )  # fmt: skip
+
+    # -- communication -------------------------------------------------------------------
+    def _intra(self, handle: DispatchHandle, hidden, probs, dtype, sms: int) -> abi.IntraParams:
+        if dtype not in _MOVED_DTYPES:
+            raise ValueError(
+                f"hybridep cuda moves 16-bit hidden states {_MOVED_DTYPES}, got {dtype}; use "
+                "backend='torch' for other dtypes"
+            )
+        return abi.IntraParams.make(
+            device=self.device, dtype=abi.DTYPE_CODES[str(dtype).removeprefix("torch.")],
+            world_size=self.world_size, rank=self.rank, num_tokens=handle.num_tokens,
+            num_local_experts=handle.num_experts_per_rank, hidden_dim=handle.hidden_dim,
+            static_budget=int(handle.static_budget), max_blocks=sms,
+            sparse_to_dense=_ptr(handle.sparse_to_dense_map.contiguous()),
+            peer_tokens=_ptr(self._peer_tokens), peer_probs=_ptr(self._peer_probs),
+            hidden=_ptr(hidden), probs=_ptr(probs), stream=self._stream(),
+        )  # fmt: skip
+
+    def dispatch(
+        self, hidden: torch.Tensor, probs: torch.Tensor | None, handle: DispatchHandle
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = hidden.contiguous()
+        probs = None if probs is None else probs.float().contiguous()
+        params = self._intra(handle, hidden, probs, hidden.dtype, self.spec.config.num_sms_dispatch)
+        self._barrier()  # peers are done with their receive rows' previous contents
+        self._check(self.lib.art_hybridep_dispatch(ctypes.byref(params)), "dispatch")
+        self._barrier()  # every row has landed
+        rows, width, num_local = handle.num_recv_rows, hidden.shape[1], handle.num_experts_per_rank
+        nbytes = rows * width * hidden.element_size()
+        recv = self._view(self.rank, "tokens", nbytes).clone().view(hidden.dtype).view(rows, width)
+        if probs is None:
+            return recv, None
+        recv_probs = self._view(self.rank, "probs", rows * num_local * 4).clone()
+        return recv, recv_probs.view(torch.float32).view(rows, num_local)
+
+    def combine(
+        self, hidden: torch.Tensor, probs: torch.Tensor | None, handle: DispatchHandle
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = hidden.contiguous()
+        rows = handle.num_recv_rows
+        self._view(self.rank, "tokens", hidden.numel() * hidden.element_size()).copy_(
+            hidden.view(torch.uint8).reshape(-1)
+        )
+        if probs is not None:
+            probs = probs.float().contiguous()
+            self._view(self.rank, "probs", rows * handle.num_experts_per_rank * 4).copy_(
+                probs.view(torch.uint8).reshape(-1)
+            )
+        out = torch.empty(
+            handle.num_tokens, hidden.shape[1], dtype=hidden.dtype, device=hidden.device
+        )
+        out_probs = None
+        if probs is not None:
+            out_probs = torch.empty(
+                handle.num_tokens, handle.num_experts, dtype=torch.float32, device=hidden.device
+            )
+        params = self._intra(handle, out, out_probs, hidden.dtype, self.spec.config.num_sms_combine)
+        self._barrier()  # every rank's rows to return are staged
+        self._check(self.lib.art_hybridep_combine(ctypes.byref(params)), "combine")
+        self._barrier()  # every rank has pulled before any staging area is reused
+        return out, out_probs
+
+    # -- local permutation ---------------------------------------------------------------
+    def permute(
+        self, recv_hidden: torch.Tensor, recv_probs: torch.Tensor | None, handle: DispatchHandle
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return permute_rows(
+            self.lib, recv_hidden, recv_probs, handle.dense_to_expert_map,
+            handle.num_permuted_tokens, max_blocks=self.spec.config.num_blocks_permute,
+        )  # fmt: skip
+
+    def unpermute(
+        self, tokens: torch.Tensor, probs: torch.Tensor | None, handle: DispatchHandle
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return unpermute_rows(
+            self.lib, tokens, probs, handle.dense_to_expert_map,
+            max_blocks=self.spec.config.num_blocks_unpermute,
+        )  # fmt: skip
+
+
+# -- single-GPU kernels (also what the one-GPU tests drive directly) -----------------------
+def _status(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"hybridep CUDA {what} failed with status {status}")
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    name = str(dtype).removeprefix("torch.")
+    if name not in abi.DTYPE_CODES:
+        raise ValueError(f"hybridep cuda handles bf16/fp16/fp32 tokens, got {dtype}")
+    return abi.DTYPE_CODES[name]
+
+
+def _device_index(device: torch.device) -> int:
+    """CUDA tensors always carry an index; 0 stands in for the CPU (binding tests only)."""
+    return device.index if device.index is not None else 0
+
+
+def _stream_of(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def compute_layout(
+    lib, global_map: torch.Tensor, rank: int, num_local: int, pad_multiple: int,
+    budget: int | None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The scan kernels on `global_map` (bool/uint8 [W, T, E] on the GPU) as rank `rank`.
+
+    Returns need [W*T, W] uint8, sparse_to_dense [T, W] int32, positions [W*T, L] int32
+    (all slots), tokens_per_expert [L] int64 and overflow_flag [1] int32, all on the GPU.
+    """
+    world, tokens, _ = global_map.shape
+    dev = global_map.device
+    slots = world * tokens
+    out = {
+        "need": torch.empty(slots, world, dtype=torch.uint8, device=dev),
+        "sparse_to_dense": torch.empty(tokens, world, dtype=torch.int32, device=dev),
+        "positions": torch.empty(slots, num_local, dtype=torch.int32, device=dev),
+        "tokens_per_expert": torch.empty(num_local, dtype=torch.int64, device=dev),
+        "overflow_flag": torch.empty(1, dtype=torch.int32, device=dev),
+    }
+    scratch = torch.empty(2 * num_local + 1, dtype=torch.int64, device=dev)
+    gmap = global_map.contiguous().view(torch.uint8)
+    params = abi.LayoutParams.make(
+        device=_device_index(dev), world_size=world, rank=rank, num_tokens=tokens,
+        num_local_experts=num_local, pad_multiple=pad_multiple,
+        budget=-1 if budget is None else int(budget), global_map=_ptr(gmap),
+        need=_ptr(out["need"]), sparse_to_dense=_ptr(out["sparse_to_dense"]),
+        positions=_ptr(out["positions"]), tokens_per_expert=_ptr(out["tokens_per_expert"]),
+        overflow_flag=_ptr(out["overflow_flag"]), scratch=_ptr(scratch), stream=_stream_of(dev),
+    )  # fmt: skip
+    _status(lib.art_hybridep_preprocess(ctypes.byref(params)), "preprocess")
+    return out
+
+
+def permute_rows(lib, recv_hidden, recv_probs, positions, num_permuted: int, max_blocks: int = 0):
+    """Receive rows [N, H] (+ fp32 [N, L]) -> expert-major [M, H] (+ [M]); padding zero.
+
+    `max_blocks` caps the grid (0: one block per row, up to 65535)."""
+    recv_hidden = recv_hidden.contiguous()
+    recv_probs = None if recv_probs is None else recv_probs.float().contiguous()
+    positions = positions.contiguous()
+    dev = recv_hidden.device
+    tokens = torch.empty(num_permuted, recv_hidden.shape[1], dtype=recv_hidden.dtype, device=dev)
+    probs = None
+    if recv_probs is not None:
+        probs = torch.empty(num_permuted, dtype=torch.float32, device=dev)
+    source = torch.empty(num_permuted, dtype=torch.int32, device=dev)
+    params = abi.PermuteParams.make(
+        device=_device_index(dev), dtype=_dtype_code(recv_hidden.dtype),
+        num_recv_rows=positions.shape[0], num_permuted=num_permuted,
+        hidden_dim=recv_hidden.shape[1], num_local_experts=positions.shape[1],
+        positions=_ptr(positions), recv_hidden=_ptr(recv_hidden), recv_probs=_ptr(recv_probs),
+        tokens=_ptr(tokens), probs=_ptr(probs), source=_ptr(source), stream=_stream_of(dev),
+        max_blocks=max_blocks,
+    )  # fmt: skip
+    _status(lib.art_hybridep_permute(ctypes.byref(params)), "permute")
+    return tokens, probs
+
+
+def unpermute_rows(lib, tokens, probs, positions, max_blocks: int = 0):
+    """Expert-major [M, H] (+ [M]) -> receive rows [N, H] (fp32 sum over local experts in
+    index order, rounded once) (+ [N, L])."""
+    tokens = tokens.contiguous()
+    probs = None if probs is None else probs.float().contiguous()
+    positions = positions.contiguous()
+    rows, num_local = positions.shape
+    dev = tokens.device
+    recv = torch.empty(rows, tokens.shape[1], dtype=tokens.dtype, device=dev)
+    recv_probs = None
+    if probs is not None:
+        recv_probs = torch.empty(rows, num_local, dtype=torch.float32, device=dev)
+    params = abi.PermuteParams.make(
+        device=_device_index(dev), dtype=_dtype_code(tokens.dtype), num_recv_rows=rows,
+        num_permuted=tokens.shape[0], hidden_dim=tokens.shape[1], num_local_experts=num_local,
+        positions=_ptr(positions), recv_hidden=_ptr(recv), recv_probs=_ptr(recv_probs),
+        tokens=_ptr(tokens), probs=_ptr(probs), source=None, stream=_stream_of(dev),
+        max_blocks=max_blocks,
+    )  # fmt: skip
+    _status(lib.art_hybridep_unpermute(ctypes.byref(params)), "unpermute")
+    return recv, recv_probs

@@ -1,0 +1,155 @@
+"""The CUDA HybridEP backend: refusals on CPU; on an sm_90 GPU, bitwise equality with the
+reference semantics.
+
+CPU (always): no GPU -> `BackendUnavailable` naming the reason (never a silent fallback); a
+group spanning hosts is refused; the kernels' compile + C ABI are checked in
+test_build_kernels.py and the struct layouts in test_cuda_abi_layout.py.
+GPU (sm_90 only): (a) the scan, permute and unpermute kernels on one GPU against
+`hybridep.layout` / `hybridep.movement`, emulating rank k of W; (b) 2 and 4 rank processes on
+one GPU (gloo group, CUDA IPC) running preprocess -> dispatch -> permute -> unpermute ->
+combine against the torch backend on the same inputs. All comparisons are bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.dist import run_ranks
+
+from hybridep.backends import BackendUnavailable, BufferSpec, select_backend
+from hybridep.backends.cuda import CudaBackend, check_single_node
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+gpu = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+
+
+# -- CPU: refusals ------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_cuda_backend_is_refused_without_a_gpu_naming_the_reason():
+    assert "no CUDA device" in CudaBackend.unavailable_reason(None)
+    with pytest.raises(BackendUnavailable, match="no CUDA device"):
+        CudaBackend(None, BufferSpec(hidden_dim=8, max_num_of_tokens_per_rank=4,
+                                     num_local_experts=2))  # fmt: skip
+    with pytest.raises(BackendUnavailable, match="cannot run"):
+        select_backend("cuda", None)
+
+
+def test_group_spanning_hosts_is_refused():
+    with pytest.raises(BackendUnavailable, match=r"spans 2 hosts \['a', 'b'\].*backend='torch'"):
+        check_single_node(["a", "b", "a"])
+    check_single_node(["a", "a", "a"])  # one node: accepted
+
+
+# -- GPU (a): single-GPU kernels against the pure reference functions -----------------------
+def _random_map(world, tokens, num_local, seed, density=0.3):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(world, tokens, world * num_local, generator=gen) < density
+
+
+@gpu
+@pytest.mark.parametrize("world,tokens,num_local", [(1, 33, 4), (2, 700, 3), (4, 1500, 8)])
+@pytest.mark.parametrize("pad,budget", [(1, None), (16, None), (4, 64), (1, 10**6)])
+def test_layout_kernels_match_reference(world, tokens, num_local, pad, budget):
+    from hybridep import build_hybridep_abi as abi
+    from hybridep import layout
+    from hybridep.backends.cuda import compute_layout
+
+    lib = abi.load_library()
+    gmap = _random_map(world, tokens, num_local, seed=world * tokens + pad)
+    need = layout.rank_need(gmap, num_local)
+    for rank in range(world):
+        got = compute_layout(lib, gmap.cuda(), rank, num_local, pad, budget)
+        ref = layout.expert_positions(layout.local_expert_map(gmap, rank, num_local), pad, budget)
+        sparse = (layout.sparse_to_dense_compact(need, rank) if budget is None
+                  else layout.sparse_to_dense_slots(need[rank], rank))  # fmt: skip
+        assert torch.equal(got["need"].cpu().bool(), need.reshape(world * tokens, world))
+        assert torch.equal(got["sparse_to_dense"].cpu(), sparse)
+        assert torch.equal(got["positions"].cpu(), ref.positions.to(torch.int32))
+        assert torch.equal(got["tokens_per_expert"].cpu(), ref.tokens_per_expert)
+        assert torch.equal(got["overflow_flag"].cpu(), ref.overflow_flag)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hidden", [256, 7168, 12])
+def test_permute_and_unpermute_kernels_match_reference(dtype, hidden):
+    from hybridep import build_hybridep_abi as abi
+    from hybridep import layout, movement
+    from hybridep.backends.cuda import permute_rows, unpermute_rows
+
+    lib = abi.load_library()
+    world, tokens, num_local, pad = 2, 300, 4, 8
+    gmap = _random_map(world, tokens, num_local, seed=hidden)
+    positions = layout.expert_positions(layout.local_expert_map(gmap, 1, num_local), pad, None)
+    m = int(positions.tokens_per_expert.sum())
+    recv = torch.randn(world * tokens, hidden).to(dtype)
+    recv_probs = torch.rand(world * tokens, num_local)
+    ref_tokens, ref_probs = movement.permute_tokens(recv, recv_probs, positions.positions, m)
+    pos32 = positions.positions.to(torch.int32).cuda()
+    got_tokens, got_probs = permute_rows(lib, recv.cuda(), recv_probs.cuda(), pos32, m)
+    assert torch.equal(got_tokens.cpu(), ref_tokens) and torch.equal(got_probs.cpu(), ref_probs)
+    expert_out = torch.randn(m, hidden).to(dtype)  # any values: same fp32 order, one rounding
+    out_probs = torch.rand(m)
+    ref_back, ref_back_probs = movement.unpermute_tokens(expert_out, out_probs, positions.positions)
+    got_back, got_back_probs = unpermute_rows(lib, expert_out.cuda(), out_probs.cuda(), pos32)
+    assert torch.equal(got_back.cpu(), ref_back)
+    assert torch.equal(got_back_probs.cpu(), ref_back_probs)
+
+
+# -- GPU (b): 2-4 rank processes on one GPU through CUDA IPC --------------------------------
+HIDDEN, LOCAL, TOKENS = 256, 3, 200
+
+
+def _ipc_worker(rank: int, world: int, seed: int) -> dict:
+    import torch.distributed as dist
+
+    from hybridep.backends.cuda import CudaBackend
+    from hybridep.backends.torch_ref import TorchBackend
+
+    torch.cuda.set_device(0)  # every rank on the same GPU
+    spec = BufferSpec(hidden_dim=HIDDEN, max_num_of_tokens_per_rank=TOKENS, num_local_experts=LOCAL)
+    ref, cuda = TorchBackend(dist.group.WORLD, spec), CudaBackend(dist.group.WORLD, spec)
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    experts = world * LOCAL
+    routing = torch.rand(TOKENS, experts, generator=gen) < 0.25
+    hidden = torch.randint(-8, 9, (TOKENS, HIDDEN), generator=gen).to(torch.bfloat16)
+    probs = torch.rand(TOKENS, experts, generator=gen) * routing
+    out = {}
+    for mode, pad, budget in (("blocking", 1, None), ("padded", 16, None), ("budget", 4, 96)):
+        h_ref = ref.preprocess(routing, pad_multiple=pad, num_permuted_tokens=budget)
+        h_gpu = cuda.preprocess(routing.cuda(), pad_multiple=pad, num_permuted_tokens=budget)
+        same = lambda a, b: torch.equal(a.cpu(), b.cpu())  # noqa: E731
+        out[f"{mode}/handle"] = (
+            h_ref.num_recv_rows == h_gpu.num_recv_rows
+            and h_ref.num_permuted_tokens == h_gpu.num_permuted_tokens
+            and h_ref.send_counts == h_gpu.send_counts and h_ref.recv_counts == h_gpu.recv_counts
+            and same(h_ref.sparse_to_dense_map, h_gpu.sparse_to_dense_map)
+            and same(h_ref.dense_to_expert_map, h_gpu.dense_to_expert_map)
+            and same(h_ref.tokens_per_expert, h_gpu.tokens_per_expert)
+            and same(h_ref.overflow_flag, h_gpu.overflow_flag)
+        )  # fmt: skip
+        r_ref = ref.dispatch(hidden, probs, h_ref)
+        r_gpu = cuda.dispatch(hidden.cuda(), probs.cuda(), h_gpu)
+        out[f"{mode}/dispatch"] = same(r_ref[0], r_gpu[0]) and same(r_ref[1], r_gpu[1])
+        p_ref = ref.permute(*r_ref, h_ref)
+        p_gpu = cuda.permute(*r_gpu, h_gpu)
+        out[f"{mode}/permute"] = same(p_ref[0], p_gpu[0]) and same(p_ref[1], p_gpu[1])
+        u_ref = ref.unpermute(p_ref[0] * 3, p_ref[1], h_ref)  # "experts" that triple the row
+        u_gpu = cuda.unpermute(p_gpu[0] * 3, p_gpu[1], h_gpu)
+        out[f"{mode}/unpermute"] = same(u_ref[0], u_gpu[0]) and same(u_ref[1], u_gpu[1])
+        c_ref = ref.combine(*u_ref, h_ref)
+        c_gpu = cuda.combine(*u_gpu, h_gpu)
+        out[f"{mode}/combine"] = same(c_ref[0], c_gpu[0]) and same(c_ref[1], c_gpu[1])
+    cuda.close()
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_ipc_ranks_on_one_gpu_match_torch_backend_bitwise(world):
+    from hybridep import build_hybridep_abi as abi
+
+    abi.load_library()  # build once in the parent; the ranks load the cached library
+    results = run_ranks(_ipc_worker, world_size=world, args=(world,), timeout_s=300)
+    failed = {f"rank{r}/{k}" for r, res in enumerate(results) for k, ok in res.items() if not ok}
+    assert not failed, sorted(failed)
