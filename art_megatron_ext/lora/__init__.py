@@ -1,0 +1,40 @@
+"""LoRA for Megatron-core modules: slots, one site iterator, padding cleanup, PEFT export.
+
+Public API (see docs/lora.md):
+- `attach_lora(model, LoraConfig(...))` adds LoRA to QKV, attention output, FC1, FC2 and
+  grouped expert linears, tensor-parallel aware.
+- `activate_slot(model, name)` chooses the slot for forward passes (survives recompute);
+  `add_slot`, `load_slot`, `drop_slot` manage slots model-wide.
+- `iter_lora_sites(model)`, `zero_lora_padding_(model, optimizer=None)`.
+- `export_peft(model, slot, out_dir, base_model_name_or_path)` and `import_peft(...)`.
+"""
+
+from .attach import UnsupportedLinear, attach_lora
+from .config import DEFAULT_SLOT, KNOWN_TARGETS, LoraConfig, LoraPadding
+from .export import export_peft
+from .hf_layout import HfNaming
+from .site import LoraSite, NoActiveSlot, SlotHasLiveGradients
+from .sites import LoraSiteSlot, iter_lora_sites, zero_lora_padding_
+from .slot_ops import add_slot, drop_slot, import_peft
+from .slots import activate_slot
+
+__all__ = [
+    "DEFAULT_SLOT",
+    "KNOWN_TARGETS",
+    "HfNaming",
+    "LoraConfig",
+    "LoraPadding",
+    "LoraSite",
+    "LoraSiteSlot",
+    "NoActiveSlot",
+    "SlotHasLiveGradients",
+    "UnsupportedLinear",
+    "activate_slot",
+    "add_slot",
+    "attach_lora",
+    "drop_slot",
+    "export_peft",
+    "import_peft",
+    "iter_lora_sites",
+    "zero_lora_padding_",
+]

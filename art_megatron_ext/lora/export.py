@@ -1,0 +1,170 @@
+"""Write a slot as a PEFT LoRA adapter directory; read one back into a slot.
+
+`export_peft` is collective: every rank of the job calls it. Tensor-parallel shards are
+all-gathered over each site's tensor-parallel group, fused QKV and gate/up are split into the
+Hugging Face modules (see `hf_layout`), padding is dropped, and the pieces held by other
+pipeline stages / expert ranks are gathered to global rank 0, which writes
+`adapter_config.json` and `adapter_model.safetensors` (written to temporary names, then
+renamed, so a reader never sees half a directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .hf_layout import PEFT_PREFIX, HfNaming, hf_modules, split_fused_b
+from .padding import logical_view
+from .site import LoraSite
+from .sites import iter_lora_sites
+
+
+def _dist() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _gather(tensor: torch.Tensor, site: LoraSite) -> list[torch.Tensor]:
+    """This tensor from every rank of the site's tensor-parallel group, in rank order."""
+    if site.info.tp_size == 1:
+        return [tensor]
+    tensor = tensor.contiguous()
+    out = [torch.empty_like(tensor) for _ in range(site.info.tp_size)]
+    torch.distributed.all_gather(out, tensor, group=site.tp_group)
+    return out
+
+
+def _site_tensors(site: LoraSite, adapter, naming: HfNaming) -> dict[str, torch.Tensor]:
+    """HF key -> full logical tensor for one slot at one site (collective over its TP group)."""
+    a = logical_view(adapter.a).detach()
+    b = logical_view(adapter.b).detach()
+    column = site.info.kind.endswith("column")
+    a_shards, b_shards = ([a], _gather(b, site)) if column else (_gather(a, site), [b])
+    grouped = site.info.num_local_experts is not None
+    experts = range(site.info.num_local_experts) if grouped else [None]
+    out: dict[str, torch.Tensor] = {}
+    for e in experts:
+        pick = (lambda t, e=e: t[e]) if grouped else (lambda t: t)
+        full_a = torch.cat([pick(s) for s in a_shards], dim=1)
+        parts = split_fused_b(site.info, [pick(s) for s in b_shards])
+        expert = None if e is None else site.info.expert_index + e
+        modules = hf_modules(site.info, naming, expert)
+        r = adapter.rank
+        for p, (module, part_b) in enumerate(zip(modules, parts, strict=True)):
+            if adapter.parts > 1:  # stacked: this part's own A block and B columns
+                part_a, part_b = full_a[p * r : (p + 1) * r], part_b[:, p * r : (p + 1) * r]
+            else:
+                part_a = full_a
+            out[f"{PEFT_PREFIX}{module}.lora_A.weight"] = part_a.clone()
+            out[f"{PEFT_PREFIX}{module}.lora_B.weight"] = part_b.clone()
+    return out
+
+
+def _first_replica(info) -> bool:
+    """Whether this rank holds the first replica of a site's (TP-gathered) tensors.
+
+    Dense parameters are replicated over data parallelism, routed-expert parameters over
+    expert data parallelism (each expert-parallel rank holds different experts)."""
+    try:
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return True
+        if info.expert_index is not None and not info.in_shared_experts:
+            return parallel_state.get_expert_data_parallel_rank() == 0
+        return parallel_state.get_data_parallel_rank() == 0
+    except (ImportError, AssertionError, RuntimeError):
+        return True
+
+
+def collect_peft_tensors(
+    model: torch.nn.Module, slot: str, naming: HfNaming | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """(HF key -> tensor, {"r": ..., "lora_alpha": ...}) for `slot`, gathered to every caller
+    on rank 0's side; collective."""
+    naming = naming or HfNaming()
+    tensors: dict[str, torch.Tensor] = {}
+    shapes: set[tuple[int, float]] = set()
+    for entry in iter_lora_sites(model):
+        if entry.slot != slot:
+            continue
+        site_tensors = _site_tensors(entry.site, entry.adapter, naming)  # collective over TP
+        if _first_replica(entry.site.info):
+            tensors.update(site_tensors)
+        shapes.add((entry.adapter.rank, entry.adapter.alpha))
+    if _dist() and torch.distributed.get_world_size() > 1:
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, (tensors, shapes))
+        tensors, shapes = {}, set()
+        for part_tensors, part_shapes in gathered:
+            for key, value in part_tensors.items():
+                tensors.setdefault(key, value)
+            shapes |= part_shapes
+    if not tensors:
+        raise KeyError(f"no LoRA site of the model holds slot {slot!r}")
+    if len(shapes) != 1:
+        raise ValueError(
+            f"slot {slot!r} mixes (rank, alpha) pairs {sorted(shapes)}; PEFT "
+            "export here needs one rank and alpha per slot"
+        )
+    ((rank, alpha),) = shapes
+    return tensors, {"r": rank, "lora_alpha": alpha}
+
+
+def adapter_config(rank: int, alpha: float, targets: list[str], base: str) -> dict:
+    """The `adapter_config.json` PEFT and vLLM read for a plain LoRA adapter."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "inference_mode": True,
+        "init_lora_weights": True,
+    }
+
+
+def export_peft(
+    model: torch.nn.Module,
+    slot: str,
+    out_dir: str | os.PathLike,
+    base_model_name_or_path: str,
+    *,
+    naming: HfNaming | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write slot `slot` of `model` as a PEFT adapter directory; returns `out_dir`.
+
+    Collective over the default process group when one is initialized; rank 0 writes.
+    `dtype` casts the written tensors (default: the parameters' dtype).
+    """
+    from safetensors.torch import save_file
+
+    tensors, shape = collect_peft_tensors(model, slot, naming)
+    out = Path(out_dir)
+    if _dist() and torch.distributed.get_rank() != 0:
+        return out
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    tensors = {k: v.contiguous().cpu() for k, v in sorted(tensors.items())}
+    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors})
+    config = adapter_config(shape["r"], shape["lora_alpha"], targets, base_model_name_or_path)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp_weights = out / ".adapter_model.safetensors.tmp"
+    tmp_config = out / ".adapter_config.json.tmp"
+    save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
+    tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp_weights, out / "adapter_model.safetensors")
+    os.replace(tmp_config, out / "adapter_config.json")
+    return out

@@ -1,0 +1,151 @@
+"""LoRA on grouped expert linears: one A/B pair per local expert, stacked and padded.
+
+Why: a grouped expert linear (Megatron's `TEColumnParallelGroupedLinear` /
+`TERowParallelGroupedLinear`, call shape `forward(x, m_splits) -> (out, bias)` over tokens
+sorted by expert) runs all local experts in one grouped GEMM. Its LoRA does the same: A is
+[E, r_pad, in] and B is [E, rows_pad, r_pad], with r padded to `rank_multiple` and each
+expert's B rows (output features) to `expert_row_multiple`, which keeps every stride a multiple
+of 16 bytes as `torch._grouped_mm` (and our CUTLASS kernel) require. Padded elements are zero,
+so the padded output columns are zero and are sliced off.
+
+Detection is by protocol (`num_gemms`, `weight0..`, `explicit_expert_comm`), so the site also
+serves any module with that call shape; row vs column comes from the class name (or an
+`art_lora_kind` attribute).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .adapter import LoraAdapter
+from .padding import round_up
+from .site import LoraSite, SiteInfo, kaiming_a, seeded_generator
+
+GROUPED_COLUMN = "grouped_column"
+GROUPED_ROW = "grouped_row"
+
+
+def is_grouped_linear(module: torch.nn.Module) -> bool:
+    return isinstance(getattr(module, "num_gemms", None), int) and hasattr(module, "weight0")
+
+
+def grouped_weight(module: torch.nn.Module) -> torch.Tensor:
+    return module.weight0
+
+
+def _grouped_kind(module: torch.nn.Module) -> str:
+    kind = getattr(module, "art_lora_kind", None)
+    if kind is None:
+        name = type(module).__name__
+        kind = "row" if "Row" in name else "column" if "Column" in name else None
+    if kind not in ("row", "column"):
+        raise TypeError(
+            f"cannot tell whether grouped linear {type(module).__name__} is row- or "
+            "column-parallel; set `art_lora_kind` to 'row' or 'column' on it"
+        )
+    return GROUPED_ROW if kind == "row" else GROUPED_COLUMN
+
+
+def describe_grouped_linear(path: str, module, modules) -> SiteInfo:
+    from .attach import _group_size_rank, _layer_number, local_expert_offset
+
+    tp_group = getattr(module, "tp_group", None) or getattr(module, "_tp_group", None)
+    tp_size, tp_rank = _group_size_rank(tp_group)
+    module.tp_group = tp_group
+    out_local, in_local = module.weight0.shape
+    kind = _grouped_kind(module)
+    column = kind == GROUPED_COLUMN
+    experts = modules[path.rsplit(".", 1)[0]] if "." in path else module
+    first_expert = local_expert_offset(experts) if hasattr(experts, "num_local_experts") else 0
+    target = path.rsplit(".", 1)[-1]
+    return SiteInfo(
+        path=path,
+        target=target,
+        kind=kind,
+        in_features=in_local if column else in_local * tp_size,
+        out_features=out_local * tp_size if column else out_local,
+        in_local=in_local,
+        out_local=out_local,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        sequence_parallel=False,
+        explicit_expert_comm=bool(getattr(module, "explicit_expert_comm", tp_size > 1)),
+        input_is_parallel=True,
+        layer_number=_layer_number(path, modules),
+        expert_index=first_expert,
+        gated=bool(getattr(module.config, "gated_linear_unit", False)) and target == "linear_fc1",
+        num_local_experts=int(module.num_gemms),
+    )
+
+
+def grouped_linear_ref(x: torch.Tensor, weight: torch.Tensor, m_splits) -> torch.Tensor:
+    """x [T, in] by per-expert weight [E, n, in] -> [T, n] (a loop; reference and fallback)."""
+    outs = [F.linear(xe, we) for xe, we in zip(torch.split(x, list(m_splits)), weight, strict=True)]
+    return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_splits) -> torch.Tensor:
+    """`grouped_linear_ref` through `torch._grouped_mm` when it accepts the operands."""
+    grouped_mm = getattr(torch, "_grouped_mm", None)
+    if grouped_mm is None or x.dtype != weight.dtype:
+        return grouped_linear_ref(x, weight, m_splits)
+    splits = torch.as_tensor(list(m_splits), dtype=torch.int64, device=x.device)
+    offs = torch.cumsum(splits, 0).to(torch.int32)
+    try:
+        return grouped_mm(x.contiguous(), weight.transpose(-2, -1), offs=offs)
+    except RuntimeError:  # stride or dtype the kernel refuses: same math, one GEMM per expert
+        return grouped_linear_ref(x, weight, m_splits)
+
+
+class GroupedLoraSite(LoraSite):
+    """LoRA for all local experts of one grouped linear; a slot is one [E, ...] A/B pair."""
+
+    def logical_shapes(self, rank: int):
+        i = self.info
+        b_out = i.out_local
+        return (i.num_local_experts, rank, i.in_local), (i.num_local_experts, b_out, rank)
+
+    def padded_shapes(self, rank: int):
+        (e, r, a_in), (_, b_out, _) = self.logical_shapes(rank)
+        rp = round_up(r, self.padding.rank_multiple)
+        return (e, rp, a_in), (e, round_up(b_out, self.padding.expert_row_multiple), rp)
+
+    def init_a(self, rank: int, seed: int, slot: str) -> torch.Tensor:
+        i = self.info
+        full_in = i.in_features
+        per_expert = []
+        for e in range(i.num_local_experts):
+            g = seeded_generator(seed, i.stable_key, i.expert_index + e, slot)
+            a = kaiming_a(rank, full_in, g)
+            if i.kind == GROUPED_ROW:
+                a = a[:, i.tp_rank * i.in_local : (i.tp_rank + 1) * i.in_local]
+            per_expert.append(a)
+        return torch.stack(per_expert)
+
+    def delta(self, x: torch.Tensor, adapter: LoraAdapter, m_splits=None) -> torch.Tensor:
+        from megatron.core import tensor_parallel as tp
+
+        a, b = adapter.a, adapter.b
+        if self.info.explicit_expert_comm:
+            if self.info.kind == GROUPED_COLUMN:
+                a = tp.copy_to_tensor_model_parallel_region(a, group=self.tp_group)
+            else:
+                b = tp.copy_to_tensor_model_parallel_region(b, group=self.tp_group)
+        h = grouped_linear(x.to(a.dtype), a, m_splits) * adapter.scaling
+        return grouped_linear(h, b, m_splits)[:, : self.info.out_local]
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        raise NotImplementedError(
+            f"{self.info.path}: Megatron dist-checkpointing of grouped-expert LoRA tensors is "
+            "not implemented; save them through iter_lora_sites (per-rank state) instead"
+        )
+
+    def hook(self, module, args, kwargs, output):
+        adapter = self.active_adapter()
+        if adapter is None:
+            return output
+        x = args[0] if args else kwargs["inp"]
+        m_splits = args[1] if len(args) > 1 else kwargs["m_splits"]
+        out, bias = output
+        return out + self.delta(x, adapter, m_splits).to(out.dtype), bias

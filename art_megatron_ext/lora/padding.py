@@ -1,0 +1,75 @@
+"""Padded LoRA tensors: allocation, the logical shape each carries, and padding cleanup.
+
+Why: kernels want aligned dimensions (rank to a multiple of 16, expert rows to what the
+grouped GEMM wants), while PEFT files, optimizers' view of "the adapter" and every test speak
+logical shapes. Each padded parameter records its logical shape as `lora_logical_shape`; the
+padded region is everything outside the leading `logical` slice in every dimension, and it
+must stay exactly zero (then it contributes nothing to outputs or gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOGICAL_SHAPE_ATTR = "lora_logical_shape"
+ZERO_MASK_ATTR = "lora_zero_mask"  # optional: [.., rows, cols] structural zeros (see adapter)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def padded_parameter(
+    logical: torch.Tensor, padded_shape: tuple[int, ...], *, requires_grad: bool = True
+) -> torch.nn.Parameter:
+    """A zero-padded copy of `logical` with shape `padded_shape`, tagged with its logical shape."""
+    if len(padded_shape) != logical.dim() or any(
+        p < s for p, s in zip(padded_shape, logical.shape, strict=True)
+    ):
+        raise ValueError(
+            f"padded shape {tuple(padded_shape)} cannot hold logical shape {tuple(logical.shape)}"
+        )
+    data = torch.zeros(padded_shape, dtype=logical.dtype, device=logical.device)
+    data[tuple(slice(0, s) for s in logical.shape)] = logical
+    param = torch.nn.Parameter(data, requires_grad=requires_grad)
+    setattr(param, LOGICAL_SHAPE_ATTR, tuple(logical.shape))
+    return param
+
+
+def logical_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The logical shape recorded on a LoRA tensor (its own shape if it carries none)."""
+    return tuple(getattr(tensor, LOGICAL_SHAPE_ATTR, tensor.shape))
+
+
+def logical_view(tensor: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The unpadded region of `tensor` (a view)."""
+    shape = logical_shape(tensor) if shape is None else shape
+    return tensor[tuple(slice(0, s) for s in shape)]
+
+
+def zero_padding_(
+    tensor: torch.Tensor, logical: tuple[int, ...], zero_mask: torch.Tensor | None = None
+) -> None:
+    """Zero every element of `tensor` outside its leading `logical` block, in place, and
+    where `zero_mask` (broadcast over leading dimensions) is True."""
+    with torch.no_grad():
+        for dim, (size, keep) in enumerate(zip(tensor.shape, logical, strict=True)):
+            if size > keep:
+                tensor.narrow(dim, keep, size - keep).zero_()
+        if zero_mask is not None:
+            tensor.masked_fill_(zero_mask, 0)
+
+
+def padding_is_zero(
+    tensor: torch.Tensor, logical: tuple[int, ...], zero_mask: torch.Tensor | None = None
+) -> bool:
+    """True when every padded (or structurally zero) element of `tensor` is exactly 0."""
+    mask = torch.ones(tensor.shape, dtype=torch.bool, device=tensor.device)
+    mask[tuple(slice(0, s) for s in logical)] = False
+    if zero_mask is not None:
+        mask |= zero_mask
+    return bool((tensor.detach()[mask] == 0).all())
+
+
+def zero_mask_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    return getattr(tensor, ZERO_MASK_ATTR, None)

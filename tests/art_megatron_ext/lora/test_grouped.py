@@ -1,0 +1,181 @@
+"""Grouped expert linears: one A/B pair per local expert, padded rank and expert rows.
+
+Transformer Engine (whose grouped linears Megatron uses for experts) needs a GPU, so a small
+stand-in with the same call shape, `forward(x, m_splits) -> (out, bias)` and `weight0..`,
+plays the base layer. `SequentialMLP` experts (local spec) are real Megatron modules.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from art_megatron_ext.lora import LoraConfig, attach_lora, iter_lora_sites, zero_lora_padding_
+from art_megatron_ext.lora.export import export_peft
+from art_megatron_ext.lora.grouped import grouped_linear, grouped_linear_ref
+from art_megatron_ext.lora.padding import LOGICAL_SHAPE_ATTR, logical_view, padding_is_zero
+from art_megatron_ext.lora.slot_ops import import_peft
+
+HIDDEN, FFN, EXPERTS, RANK = 12, 10, 4, 3
+SPLITS = [3, 0, 5, 2]  # tokens per expert, one expert empty
+
+
+class FakeColumnParallelGroupedLinear(torch.nn.Module):
+    """Same call shape and attributes as Megatron's TEColumnParallelGroupedLinear."""
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.num_gemms = num_gemms
+        self.config = SimpleNamespace(gated_linear_unit=True)
+        self.explicit_expert_comm = False
+        self.tp_group = None
+        for i in range(num_gemms):
+            w = torch.randn(out_features, in_features) / in_features**0.5
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(w))
+
+    def forward(self, x, m_splits):
+        weights = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)])
+        return grouped_linear_ref(x, weights, m_splits), None
+
+
+class FakeRowParallelGroupedLinear(FakeColumnParallelGroupedLinear):
+    """Same call shape as Megatron's TERowParallelGroupedLinear."""
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    experts = torch.nn.Module()
+    experts.num_local_experts = EXPERTS
+    experts.linear_fc1 = FakeColumnParallelGroupedLinear(EXPERTS, HIDDEN, 2 * FFN)
+    experts.linear_fc2 = FakeRowParallelGroupedLinear(EXPERTS, FFN, HIDDEN)
+    layer = torch.nn.Module()
+    layer.layer_number = 1
+    layer.mlp = torch.nn.Module()
+    layer.mlp.experts = experts
+    model = torch.nn.Module()
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList([layer])
+    attach_lora(model, LoraConfig(rank=RANK, alpha=6.0, targets=("linear_fc1", "linear_fc2")))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for e in iter_lora_sites(model):
+            view = logical_view(e.adapter.b)
+            view.copy_(torch.randn(view.shape, generator=g))
+    return model
+
+
+def _experts(model):
+    return model.decoder.layers[0].mlp.experts
+
+
+def _expert_mlp(model, x):
+    experts = _experts(model)
+    h, _ = experts.linear_fc1(x, SPLITS)
+    gate, up = h.chunk(2, dim=-1)
+    out, _ = experts.linear_fc2(F.silu(gate) * up, SPLITS)
+    return out
+
+
+def test_padded_shapes_pad_rank_and_expert_rows():
+    entries = {e.path.rsplit(".", 1)[-1]: e for e in iter_lora_sites(_model())}
+    fc1, fc2 = entries["linear_fc1"], entries["linear_fc2"]
+    assert fc1.a_logical == (EXPERTS, RANK, HIDDEN) and fc1.a_padded == (EXPERTS, 16, HIDDEN)
+    assert fc1.b_logical == (EXPERTS, 2 * FFN, RANK) and fc1.b_padded == (EXPERTS, 24, 16)
+    assert fc2.a_logical == (EXPERTS, RANK, FFN) and fc2.a_padded == (EXPERTS, 16, FFN)
+    assert fc2.b_logical == (EXPERTS, HIDDEN, RANK) and fc2.b_padded == (EXPERTS, 16, 16)
+
+
+def test_grouped_delta_equals_one_lora_per_expert():
+    model = _model()
+    fc1 = _experts(model).linear_fc1
+    x = torch.randn(sum(SPLITS), HIDDEN)
+    adapter = fc1.lora.slots["default"]
+    with torch.no_grad():
+        base = FakeColumnParallelGroupedLinear.forward(fc1, x, SPLITS)[0]
+        got = fc1(x, SPLITS)[0] - base
+    a, b = logical_view(adapter.a), logical_view(adapter.b)
+    want = torch.cat(
+        [
+            F.linear(F.linear(xe, a[e]), b[e]) * (6.0 / RANK)
+            for e, xe in enumerate(torch.split(x, SPLITS))
+        ]
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_mm_path_matches_the_per_expert_loop():
+    x, w = torch.randn(sum(SPLITS), 16), torch.randn(EXPERTS, 24, 16)
+    offs = torch.tensor(SPLITS).cumsum(0).to(torch.int32)
+    torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)  # the fast path accepts these shapes
+    torch.testing.assert_close(grouped_linear(x, w, SPLITS), grouped_linear_ref(x, w, SPLITS))
+
+
+def test_adam_keeps_padded_expert_rows_and_rank_zero():
+    model = _model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=1e-2)
+    for _ in range(3):
+        _expert_mlp(model, torch.randn(sum(SPLITS), HIDDEN)).pow(2).sum().backward()
+        for p in params:  # what a kernel computing whole padded tiles may leave behind
+            noise = torch.randn_like(p)
+            noise[tuple(slice(0, s) for s in getattr(p, LOGICAL_SHAPE_ATTR))] = 0
+            p.grad.add_(noise)
+        zero_lora_padding_(model, optimizer)
+        optimizer.step()
+        zero_lora_padding_(model, optimizer)
+    for e in iter_lora_sites(model):
+        for _, p in e.tensors:
+            shape = getattr(p, LOGICAL_SHAPE_ATTR)
+            assert padding_is_zero(p, shape) and padding_is_zero(p.grad, shape), e.path
+
+
+def test_export_names_each_expert_and_splits_gate_up(tmp_path):
+    model = _model()
+    export_peft(model, "default", tmp_path, "tiny-moe")
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    assert len(tensors) == EXPERTS * 3 * 2
+    fc1 = _experts(model).linear_fc1.lora.slots["default"]
+    fc2 = _experts(model).linear_fc2.lora.slots["default"]
+    for e in range(EXPERTS):
+        key = f"base_model.model.model.layers.0.mlp.experts.{e}"
+        b1 = logical_view(fc1.b)[e]
+        assert torch.equal(tensors[f"{key}.gate_proj.lora_B.weight"], b1[:FFN])
+        assert torch.equal(tensors[f"{key}.up_proj.lora_B.weight"], b1[FFN:])
+        assert torch.equal(tensors[f"{key}.up_proj.lora_A.weight"], logical_view(fc1.a)[e])
+        assert torch.equal(tensors[f"{key}.down_proj.lora_A.weight"], logical_view(fc2.a)[e])
+        assert tuple(tensors[f"{key}.down_proj.lora_B.weight"].shape) == (HIDDEN, RANK)
+    # and back: the same adapter loaded into another slot exports identically
+    import_peft(model, "copy", tmp_path)
+    export_peft(model, "copy", tmp_path / "again", "tiny-moe")
+    again = load_file(tmp_path / "again" / "adapter_model.safetensors")
+    assert all(torch.equal(again[k], tensors[k]) for k in tensors)
+
+
+@pytest.fixture()
+def moe_layer(megatron_world):
+    from support.megatron_cpu import build_moe_layer, cpu_shim, moe_test_config
+
+    with cpu_shim():
+        torch.manual_seed(0)
+        yield build_moe_layer(moe_test_config(num_moe_experts=4))
+
+
+def test_sequential_mlp_experts_get_one_site_per_expert(moe_layer):
+    from art_megatron_ext.lora import activate_slot
+
+    sites = attach_lora(moe_layer, LoraConfig(rank=4, targets=("linear_fc1", "linear_fc2")))
+    fc1 = [s for s in sites if s.info.target == "linear_fc1"]
+    assert [s.info.expert_index for s in fc1] == [0, 1, 2, 3]
+    assert all(s.info.kind == "column" and not s.info.explicit_expert_comm for s in fc1)
+    for e in iter_lora_sites(moe_layer):
+        logical_view(e.adapter.b).data.normal_()
+    x = torch.randn(6, 1, 16)
+    with torch.no_grad():
+        with activate_slot(moe_layer, None):
+            base, _ = moe_layer(x)
+        adapted, _ = moe_layer(x)
+    assert not torch.allclose(base, adapted)
