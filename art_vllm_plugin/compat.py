@@ -124,3 +124,18 @@ async def call_engine_utility(engine_client, method: str, *args):
 
 def max_lora_rank(engine_client) -> int:
     return engine_client.vllm_config.lora_config.max_lora_rank
+
+
+# --- Prefix-cache salting: Request block hashes and the scheduler's waiting queues ----------
+def rehash_request_blocks(request) -> None:
+    """Recompute a `vllm.v1.request.Request`'s prompt block hashes after its salt changed."""
+    request.block_hashes = []
+    request.update_block_hashes()
+
+
+def waiting_requests(scheduler):
+    """Requests in the scheduler's waiting queues (not yet scheduled)."""
+    for name in ("waiting", "skipped_waiting"):
+        queue = getattr(scheduler, name, None)
+        if queue is not None:
+            yield from list(queue)

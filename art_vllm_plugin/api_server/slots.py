@@ -139,6 +139,7 @@ class SlotRegistry:
                 "step": result["step"],
                 "elapsed_ms": slot.last_update_ms,
                 "engine_ms": result["engine_ms"],
+                "resalted_waiting": result["resalted_waiting"],
             }
 
     def _point_new_requests_at(self, name: str, path: str) -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from art_vllm_plugin import compat
+from art_vllm_plugin.engine_core import cache_salting
 from art_vllm_plugin.provenance import encode_versions
 
 _MARK = "__art_patched__"
@@ -53,21 +55,24 @@ def art_update_lora_slot(self, lora_int_id: int, lora_name: str, path: str, vers
     state["versions"][lora_int_id] = version
     state["updates"] += 1
     self._weight_version = encode_versions(state["versions"])
+    resalted = cache_salting.resalt_waiting(self, lora_int_id, state["versions"])
     return {
         "step": state["steps"],
         "engine_ms": (time.perf_counter() - t0) * 1000.0,
         "versions": dict(state["versions"]),
+        "resalted_waiting": resalted,
     }
 
 
 def art_slot_state(self):
-    """Versions, completed steps and update count, for tests and metrics."""
+    """Versions, completed steps, update count and waiting requests, for tests and metrics."""
     state = _art_state(self)
     return {
         "versions": dict(state["versions"]),
         "steps": state["steps"],
         "updates": state["updates"],
         "label": self._weight_version,
+        "waiting": sum(1 for _ in compat.waiting_requests(self.scheduler)),
     }
 
 
@@ -85,4 +90,5 @@ def install(engine_core_cls) -> None:
     engine_core_cls._attach_weight_version = _attach_weight_version
     engine_core_cls.art_update_lora_slot = art_update_lora_slot
     engine_core_cls.art_slot_state = art_slot_state
+    cache_salting.install(engine_core_cls, lambda core: _art_state(core)["versions"])
     setattr(engine_core_cls, _MARK, True)
