@@ -12,8 +12,9 @@ Tolerances (float32 on both sides; observed errors in parentheses):
 - per-module delta: rtol 1e-4, atol 1e-6 (about 1.5e-7 absolute, 6e-7 relative);
 - whole-model logits: atol 1e-4 (about 1.5e-6 on logits of magnitude ~3).
 
-Still to come (lead, serving side): loading this export into a running vLLM server as an
-in-flight update; see `push_adapter_to_running_server` below.
+Then the export is published into a running `vllm serve --plugin art` as an in-flight update of
+slot `policy` while a generation runs: accepted by the plugin's full validation, and the running
+generation's spans switch to the new version.
 """
 
 from __future__ import annotations
@@ -33,11 +34,39 @@ STEPS = 3
 
 
 def push_adapter_to_running_server(base_url: str, slot: str, adapter_dir: Path, version: int):
-    """PLACEHOLDER for the lead: load `adapter_dir` into a running `vllm serve --plugin art`
-    as an in-flight update of `slot` (`POST {base_url}/art/v1/lora/update` with slot, path,
-    version), then check that a running request's spans switch to `version`. Not called by
-    any test yet; the serving-side route does not exist at the time of writing."""
-    raise NotImplementedError("in-flight LoRA update route (/art/v1/lora/update) not wired yet")
+    """Publish `adapter_dir` to `slot` of a running `vllm serve --plugin art` while a long
+    generation runs there; returns (update result, that generation's choice)."""
+    import asyncio
+
+    import httpx
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+            steps0 = (await client.get("/art/v1/engine")).json()["steps"]
+            gen = asyncio.create_task(
+                client.post(
+                    "/v1/completions",
+                    json={
+                        "model": slot,
+                        "prompt": "the trainer sends",
+                        "max_tokens": 460,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                )
+            )
+            while (await client.get("/art/v1/engine")).json()["steps"] < steps0 + 16:
+                await asyncio.sleep(0.01)
+            upd = await client.post(
+                "/art/v1/lora/update",
+                json={"slot": slot, "path": str(adapter_dir), "version": version},
+            )
+            resp = await gen
+        assert upd.status_code == 200, upd.text
+        assert resp.status_code == 200, resp.text
+        return upd.json(), resp.json()["choices"][0], steps0
+
+    return asyncio.run(run())
 
 
 # fresh: a new rank-8 slot (alpha 16); q/k/v and gate/up share one A per fused site.
@@ -138,3 +167,47 @@ def test_hf_model_with_export_reproduces_megatron_logits(peft_model, dumps):
     with torch.no_grad():
         logits = peft_model(tokens).logits
     torch.testing.assert_close(logits, dumps["__logits__"], rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from support.vllm_server import tiny_paths
+
+    from art_vllm_plugin import serve_process
+
+    model_dir, adapters_dir = tiny_paths()
+    log = tmp_path_factory.mktemp("vllm-logs") / "cross_env.log"
+    config = serve_process.ServeConfig(
+        model=str(model_dir),
+        args=(
+            *serve_process.tiny_lora_args(),
+            "--lora-modules",
+            f"policy={adapters_dir / 'a'}",
+            "--art-adapter-root",
+            str(tmp_path_factory.getbasetemp()),
+        ),
+        log_path=log,
+    )
+    with serve_process.serving(config) as srv:
+        yield srv
+
+
+def test_export_is_served_as_an_inflight_update(exported, server):
+    from art_vllm_plugin.client import validate_spans
+
+    _, out, _ = exported
+    for _ in range(3):  # a busy machine may deliver the update after the generation ended
+        current = httpx_get_version(server.url)
+        upd, choice, steps0 = push_adapter_to_running_server(
+            server.url, "policy", out / "adapter", current + 1
+        )
+        if upd["step"] < steps0 + 459:
+            break
+    spans = validate_spans(choice, 460, latest_version=current + 1)
+    assert [s["version"] for s in spans] == [current, current + 1]
+
+
+def httpx_get_version(url: str) -> int:
+    import httpx
+
+    return httpx.get(url + "/art/v1/slots", timeout=60).json()[0]["version"]
