@@ -29,7 +29,7 @@ _declare("cli_plugin_flag", "`vllm serve --plugin art` selects the plugin", True
 _declare("inflight_lora_update", "atomic in-place LoRA slot updates between engine steps", True)
 _declare("policy_spans", "per-token policy-version spans on every (non-streaming) choice", True)
 _declare("prefix_cache_salting", "prefix-cache salt derived from the slot's policy version", True)
-_declare("metrics", "GET /art/metrics fast JSON snapshot", False)
+_declare("metrics", "GET /art/metrics fast JSON snapshot", True)
 
 
 def activate_all() -> None:

@@ -16,9 +16,11 @@ class ArtEndpointPlugin:
     required_tasks = ("generate",)  # every /art route needs a generating engine
 
     def attach_router(self, app) -> None:
+        from art_vllm_plugin.api_server import metrics_route
         from art_vllm_plugin.api_server.routes import router
 
         app.include_router(router)
+        app.add_middleware(metrics_route.ArtMetricsMiddleware)  # added last: runs first
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         from art_vllm_plugin.api_server.state import ArtApiState

@@ -66,6 +66,10 @@ async def lora_update(request: Request):
         except ValueError as exc:
             raise UpdateError(400, f"body is not valid JSON: {exc}") from exc
         slot, path, version = _parse_update(body)
+    except UpdateError as exc:
+        request.app.state.art.slots.failed_unattributed += 1
+        return _error(exc.status, exc.message)
+    try:
         return await request.app.state.art.slots.update(slot, path, version)
     except UpdateError as exc:
         return _error(exc.status, exc.message)

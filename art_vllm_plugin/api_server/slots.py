@@ -26,6 +26,23 @@ from art_vllm_plugin.adapters import (
 )
 from art_vllm_plugin.api_server.paths import PathPolicy, PathRefused
 
+_GAUGE = []
+
+
+def slot_version_gauge():
+    """Prometheus gauge `art:slot_version{slot}` on vLLM's `/metrics` (created once)."""
+    if not _GAUGE:
+        from prometheus_client import Gauge
+
+        _GAUGE.append(
+            Gauge(
+                "art:slot_version",
+                "Policy version served by each art LoRA slot",
+                labelnames=["slot"],
+            )
+        )
+    return _GAUGE[0]
+
 
 class UpdateError(Exception):
     """An update refused with an HTTP status; nothing was changed."""
@@ -64,6 +81,7 @@ class SlotRegistry:
         self.serving_models = serving_models
         self.max_lora_rank = max_lora_rank
         self.slots: dict[str, Slot] = {}
+        self.failed_unattributed = 0  # refused before a slot was known (bad body, unknown slot)
         self._lock = asyncio.Lock()
         now = time.time()
         for name, req in (serving_models.lora_requests if serving_models else {}).items():
@@ -76,12 +94,28 @@ class SlotRegistry:
                 reference=read_signature(req.lora_path),
             )
 
+    def export_versions(self) -> None:
+        gauge = slot_version_gauge()
+        for slot in self.slots.values():
+            gauge.labels(slot=slot.name).set(slot.version)
+
     def list(self) -> list[dict]:
         return [s.public() for s in self.slots.values()]
 
     async def update(self, name: str, path: str, version: int) -> dict:
-        task = asyncio.ensure_future(self._update(name, path, version))
+        task = asyncio.ensure_future(self._counted_update(name, path, version))
         return await asyncio.shield(task)
+
+    async def _counted_update(self, name: str, path: str, version: int) -> dict:
+        try:
+            return await self._update(name, path, version)
+        except UpdateError:
+            slot = self.slots.get(name)
+            if slot is not None:
+                slot.failed_updates += 1
+            else:
+                self.failed_unattributed += 1
+            raise
 
     async def _update(self, name: str, path: str, version: int) -> dict:
         t0 = time.perf_counter()
@@ -91,7 +125,6 @@ class SlotRegistry:
         try:
             resolved = str(self.paths.resolve(path))
         except PathRefused as exc:
-            slot.failed_updates += 1
             raise UpdateError(
                 403, f"{exc}; slot {name!r} keeps serving version {slot.version}"
             ) from exc
@@ -107,7 +140,6 @@ class SlotRegistry:
                     validate_adapter, resolved, name, slot.reference, self.max_lora_rank
                 )
             except AdapterError as exc:
-                slot.failed_updates += 1
                 raise UpdateError(
                     422, f"{exc}; slot {name!r} keeps serving version {slot.version}"
                 ) from exc
@@ -121,7 +153,6 @@ class SlotRegistry:
                     version,
                 )
             except Exception as exc:
-                slot.failed_updates += 1
                 raise UpdateError(
                     422,
                     f"engine refused the adapter at {resolved}: {exc}; slot "
@@ -133,6 +164,7 @@ class SlotRegistry:
             slot.updates += 1
             slot.last_update_ms = (time.perf_counter() - t0) * 1000.0
             self._point_new_requests_at(name, resolved)
+            slot_version_gauge().labels(slot=name).set(version)
             return {
                 "slot": name,
                 "version": version,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from art_vllm_plugin import compat
+from art_vllm_plugin.api_server.metrics_feed import FEED
 from art_vllm_plugin.selection import is_selected
 
 StatLoggerBase = compat.stat_logger_base()
@@ -30,6 +31,7 @@ class ArtStatLogger(StatLoggerBase):
         self.last_record_time = time.time()
         if scheduler_stats is not None:
             self.last_scheduler_stats = scheduler_stats
+        FEED.record(scheduler_stats, iteration_stats)
 
     def log_engine_initialized(self):
         pass

@@ -48,6 +48,7 @@ class ArtApiState:
             compat.max_lora_rank(engine_client) if lora_enabled else 0,
             paths,
         )
+        registry.export_versions()
         return cls(
             engine_client=engine_client,
             args=args,

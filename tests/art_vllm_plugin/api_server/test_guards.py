@@ -57,6 +57,7 @@ ROUTES = [
     ("GET", "/art/v1/capabilities"),
     ("GET", "/art/v1/slots"),
     ("GET", "/art/v1/engine"),
+    ("GET", "/art/metrics"),
     ("POST", "/art/v1/lora/update"),
 ]
 
@@ -68,7 +69,7 @@ def test_every_art_route_needs_the_key(server, method, route):
     assert call(server, method, route, key="wrong", json=body).status_code == 401
 
 
-@pytest.mark.parametrize(("method", "route"), ROUTES[:3])
+@pytest.mark.parametrize(("method", "route"), ROUTES[:4])
 def test_read_routes_answer_with_the_right_key(server, method, route):
     assert call(server, method, route, key=KEY).status_code == 200
 

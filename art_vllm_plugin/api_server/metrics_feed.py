@@ -1,0 +1,88 @@
+"""The in-memory metrics snapshot behind `GET /art/metrics`, fed by the stat-logger plugin.
+
+vLLM calls the stat logger's `record()` once per engine step on the API server's event loop,
+the same thread that serves `/art/metrics`, so the feed needs no lock: `record()` does a few
+attribute writes and one deque append (O(1)), and the route reads them. The Prometheus text
+route renders every metric on every scrape; this route only formats one small JSON object.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+SCHEMA_VERSION = 1
+TOKENS_WINDOW_S = 10.0
+
+
+@dataclass
+class MetricsFeed:
+    started_at: float = field(default_factory=time.time)
+    last_record_time: float | None = None
+    engine_steps: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    generation_tokens: int = 0
+    # (time, generation tokens in that step), trimmed to the window when read
+    window: deque = field(default_factory=lambda: deque(maxlen=65536))
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        now = time.time()
+        self.last_record_time = now
+        if scheduler_stats is not None:
+            self.engine_steps += 1
+            self.num_running = scheduler_stats.num_running_reqs
+            self.num_waiting = scheduler_stats.num_waiting_reqs
+            self.kv_cache_usage = scheduler_stats.kv_cache_usage
+            prefix = scheduler_stats.prefix_cache_stats
+            if prefix is not None:
+                self.prefix_queries += prefix.queries
+                self.prefix_hits += prefix.hits
+        if iteration_stats is not None and iteration_stats.num_generation_tokens:
+            self.generation_tokens += iteration_stats.num_generation_tokens
+            self.window.append((now, iteration_stats.num_generation_tokens))
+
+    def tokens_per_s(self, now: float) -> float:
+        cutoff = now - TOKENS_WINDOW_S
+        while self.window and self.window[0][0] < cutoff:
+            self.window.popleft()
+        return sum(n for _, n in self.window) / TOKENS_WINDOW_S
+
+    def snapshot(self, slots, failed_unattributed: int) -> dict:
+        now = time.time()
+        slots = list(slots)
+        snap_time = self.last_record_time or self.started_at
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "snapshot_time": snap_time,
+            "age_s": max(0.0, now - snap_time),
+            "engine_step": self.engine_steps,
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_cache_usage": self.kv_cache_usage,
+            "prefix_cache_hit_rate": (
+                self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+            ),
+            "generation_tokens_total": self.generation_tokens,
+            "generation_tokens_per_s": self.tokens_per_s(now),
+            "generation_tokens_window_s": TOKENS_WINDOW_S,
+            "slots": {
+                s.name: {
+                    "version": s.version,
+                    "updates": s.updates,
+                    "failed_updates": s.failed_updates,
+                    "last_update_ms": s.last_update_ms,
+                }
+                for s in slots
+            },
+            "updates_total": sum(s.updates for s in slots),
+            "failed_updates_total": sum(s.failed_updates for s in slots) + failed_unattributed,
+        }
+
+
+#: The process's feed: written by `ArtStatLogger.record`, read by the `/art/metrics` route.
+FEED = MetricsFeed()

@@ -1,0 +1,114 @@
+"""`GET /art/metrics`: the JSON snapshot, its age guard, and per-slot versions in Prometheus."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from support.vllm_server import LORA_ARGS
+
+from art_vllm_plugin import serve_process
+
+FIELDS = {
+    "schema_version",
+    "snapshot_time",
+    "age_s",
+    "engine_step",
+    "num_running",
+    "num_waiting",
+    "kv_cache_usage",
+    "prefix_cache_hit_rate",
+    "generation_tokens_per_s",
+    "generation_tokens_window_s",
+    "slots",
+    "updates_total",
+    "failed_updates_total",
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tiny_adapters, server_log):
+    config = serve_process.ServeConfig(
+        model=str(tiny_model),
+        args=(*LORA_ARGS, "--lora-modules", f"policy={tiny_adapters / 'a'}"),
+        log_path=server_log,
+    )
+    with serve_process.serving(config) as srv:
+        yield srv
+
+
+def get(server, route, **params):
+    return httpx.get(server.url + route, params=params, timeout=60)
+
+
+def generate(server, n=3):
+    for i in range(n):
+        resp = httpx.post(
+            server.url + "/v1/completions",
+            timeout=120,
+            json={
+                "model": "policy",
+                "prompt": f"the policy {i}",
+                "max_tokens": 32,
+                "ignore_eos": True,
+            },
+        )
+        assert resp.status_code == 200
+
+
+def test_snapshot_reports_engine_activity(server):
+    generate(server)
+    snap = get(server, "/art/metrics").json()
+    assert set(snap) >= FIELDS
+    assert snap["schema_version"] == 1
+    assert snap["engine_step"] >= 3 * 32
+    assert snap["generation_tokens_total"] >= 3 * 32
+    assert snap["generation_tokens_per_s"] > 0
+    assert 0 <= snap["kv_cache_usage"] <= 1
+    assert snap["age_s"] < 30 and abs(snap["snapshot_time"] - time.time()) < 30
+    assert snap["slots"]["policy"]["version"] == 0
+
+
+def test_update_counts_match_what_happened(server, tiny_adapters):
+    before = get(server, "/art/metrics").json()
+    url = server.url + "/art/v1/lora/update"
+    ok = [
+        httpx.post(
+            url, json={"slot": "policy", "path": str(tiny_adapters / n), "version": v}, timeout=60
+        )
+        for n, v in (("b", 1), ("c", 2))
+    ]
+    assert [r.status_code for r in ok] == [200, 200]
+    bad = [
+        httpx.post(
+            url, json={"slot": "policy", "path": str(tiny_adapters / "a"), "version": 1}, timeout=60
+        ),  # stale: 409, counted on the slot
+        httpx.post(url, json={"slot": "nope", "path": "x", "version": 9}, timeout=60),  # 404
+        httpx.post(url, json={"slot": "policy"}, timeout=60),  # 400
+    ]
+    assert [r.status_code for r in bad] == [409, 404, 400]
+    snap = get(server, "/art/metrics").json()
+    assert snap["updates_total"] - before["updates_total"] == 2
+    assert snap["failed_updates_total"] - before["failed_updates_total"] == 3
+    slot = snap["slots"]["policy"]
+    assert slot["version"] == 2 and slot["updates"] == 2 and slot["failed_updates"] == 1
+    assert slot["last_update_ms"] > 0
+
+
+def test_max_age_refuses_a_stale_snapshot(server):
+    generate(server, n=1)
+    time.sleep(1.5)  # idle: no engine step reports, the snapshot ages
+    resp = get(server, "/art/metrics", max_age_s=0.5)
+    assert resp.status_code == 503
+    assert "older than max_age_s=0.5" in resp.json()["error"]["message"]
+    assert get(server, "/art/metrics", max_age_s=600).status_code == 200
+    generate(server, n=1)
+    assert get(server, "/art/metrics", max_age_s=5).status_code == 200
+
+
+def test_prometheus_keeps_working_and_exports_slot_versions(server):
+    text = get(server, "/metrics").text
+    assert "vllm:num_requests_running" in text
+    version = get(server, "/art/metrics").json()["slots"]["policy"]["version"]
+    assert f'art:slot_version{{slot="policy"}} {float(version)}' in text
