@@ -17,6 +17,7 @@ import functools
 from http import HTTPStatus
 
 from art_vllm_plugin import compat
+from art_vllm_plugin.api_server import aliases
 from art_vllm_plugin.provenance import policy_spans
 
 _MARK = "__art_patched__"
@@ -68,19 +69,44 @@ def _wrap_chat_full_generator(original):
     return chat_completion_full_generator
 
 
+#: The API server's slot registry, set by `install`; aliases are resolved against it.
+_REGISTRY: list = []
+
+
+def _slots() -> dict:
+    return _REGISTRY[0].slots if _REGISTRY else {}
+
+
 def _wrap_create(original):
     @functools.wraps(original)
     async def create(self, request, raw_request=None):
+        try:
+            alias = aliases.resolve(request.model, _slots())
+        except aliases.AliasRefused as exc:
+            return self.create_error_response(
+                exc.message, err_type="Conflict", status_code=HTTPStatus.CONFLICT
+            )
+        if alias is not None:
+            request.model = alias.slot
         if getattr(request, "stream", False) and request.model in self.models.lora_requests:
             return self.create_error_response(
                 STREAMING_REFUSAL.format(model=request.model), status_code=HTTPStatus.BAD_REQUEST
             )
-        return await original(self, request, raw_request)
+        response = await original(self, request, raw_request)
+        if alias is not None and hasattr(response, "choices"):
+            try:
+                aliases.check_choices(alias, response.choices)
+            except aliases.AliasRefused as exc:
+                return self.create_error_response(
+                    exc.message, err_type="Conflict", status_code=HTTPStatus.CONFLICT
+                )
+        return response
 
     return create
 
 
-def install() -> None:
+def install(registry) -> None:
+    _REGISTRY[:] = [registry]
     completion = compat.serving_completion_class()
     chat = compat.serving_chat_class()
     if getattr(completion, _MARK, False):

@@ -69,6 +69,7 @@ class Slot:
         return {
             "slot": self.name,
             "version": self.version,
+            "alias": f"{self.name}@{self.version}",
             "path": self.path,
             "updated_at": self.updated_at,
         }

@@ -29,7 +29,6 @@ class ArtApiState:
         # The endpoint plugin only loads when selected; make sure the API process is active
         # even when selection came from VLLM_PLUGINS set after the general plugins loaded.
         plugin_loader.activate()
-        response_spans.install()
         serving_models = getattr(app_state, "openai_serving_models", None)
         lora_enabled = engine_client.vllm_config.lora_config is not None
         start_paths = (
@@ -49,6 +48,7 @@ class ArtApiState:
             paths,
         )
         registry.export_versions()
+        response_spans.install(registry)
         return cls(
             engine_client=engine_client,
             args=args,

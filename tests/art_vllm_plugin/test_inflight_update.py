@@ -94,7 +94,7 @@ def preemptions(server) -> float:
     )
 
 
-async def _generate_while_updating(server, body, path, version, path_of_url, after_steps=16):
+async def _generate_while_updating(server, body, path, version, path_of_url, after_steps=8):
     """Start a generation, wait until the engine ran `after_steps` steps, then update.
 
     Returns (response, update result, engine step count when the request was sent).
@@ -103,7 +103,6 @@ async def _generate_while_updating(server, body, path, version, path_of_url, aft
         s0 = (await client.get("/art/v1/engine")).json()["steps"]
         gen = asyncio.create_task(client.post(path_of_url, json=body))
         while (await client.get("/art/v1/engine")).json()["steps"] < s0 + after_steps:
-            assert not gen.done(), "generation ended before the update could be sent"
             await asyncio.sleep(0.01)
         upd = await client.post(
             "/art/v1/lora/update", json={"slot": "policy", "path": str(path), "version": version}
@@ -114,12 +113,13 @@ async def _generate_while_updating(server, body, path, version, path_of_url, aft
     return resp.json(), upd.json(), s0
 
 
-def generate_while_updating(server, body, path, versions, path_of_url, before_attempt, attempts=3):
+def generate_while_updating(server, body, path, versions, path_of_url, before_attempt, attempts=5):
     """Retry when a loaded machine delayed the update past the end of the generation.
 
     Whether the update lands mid-generation is timing (the update must reach the engine
     before the generation's last step); what each attempt returns is checked in full.
     """
+    seen = []
     for _ in range(attempts):
         v_before = before_attempt()
         version = versions()
@@ -128,7 +128,8 @@ def generate_while_updating(server, body, path, versions, path_of_url, before_at
         )
         if upd["step"] < s0 + body["max_tokens"] - 1:
             return out, upd, s0, v_before, version
-    raise AssertionError(f"update never landed mid-generation in {attempts} attempts")
+        seen.append((s0, upd))
+    raise AssertionError(f"update never landed mid-generation in {attempts} attempts: {seen}")
 
 
 def _reset_to(art, adapter, versions):
@@ -405,3 +406,76 @@ def test_validate_spans_rejects_gaps_overlaps_and_future_versions():
     for choice, n, latest, fragment in cases:
         with pytest.raises(SpanError, match=fragment):
             validate_spans(choice, n, latest_version=latest)
+
+
+def _alias_request(server, model, max_tokens=16):
+    return httpx.post(
+        server.url + "/v1/completions",
+        timeout=300,
+        json={
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
+
+
+def test_exact_alias_serves_only_its_version(server, art, versions, tiny_adapters):
+    v = _version(art)
+    assert {s["slot"]: s["alias"] for s in art.slots()}["policy"] == f"policy@{v}"
+    ok = _alias_request(server, f"policy@{v}")
+    assert ok.status_code == 200, ok.text
+    assert {s["version"] for s in ok.json()["choices"][0]["policy_spans"]} == {v}
+    art.update("policy", tiny_adapters / "a", versions())
+    v2 = _version(art)
+    stale = _alias_request(server, f"policy@{v}")
+    assert stale.status_code == 409
+    assert stale.json()["error"]["message"] == (
+        f"policy@{v} is no longer served; current is policy@{v2}"
+    )
+    future = _alias_request(server, f"policy@{v2 + 5}")
+    assert future.status_code == 409 and "not published yet" in future.json()["error"]["message"]
+    assert _alias_request(server, f"policy@{v2}").status_code == 200
+    assert {s["slot"]: s["alias"] for s in art.slots()}["policy"] == f"policy@{v2}"
+
+
+async def _alias_while_updating(server, alias, adapter, version):
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        s0 = (await client.get("/art/v1/engine")).json()["steps"]
+        gen = asyncio.create_task(
+            client.post(
+                "/v1/completions",
+                json={
+                    "model": alias,
+                    "prompt": PROMPT,
+                    "max_tokens": LONG,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
+        )
+        while (await client.get("/art/v1/engine")).json()["steps"] < s0 + 8:
+            await asyncio.sleep(0.01)
+        upd = (
+            await client.post(
+                "/art/v1/lora/update",
+                json={"slot": "policy", "path": str(adapter), "version": version},
+            )
+        ).json()
+        return await gen, upd, s0
+
+
+def test_alias_response_is_withheld_when_replaced_mid_generation(
+    server, art, versions, tiny_adapters
+):
+    for _ in range(5):
+        v = _version(art)
+        resp, upd, s0 = asyncio.run(
+            _alias_while_updating(server, f"policy@{v}", tiny_adapters / "b", versions())
+        )
+        if upd["step"] < s0 + LONG - 1:
+            break
+    assert resp.status_code == 409
+    assert f"policy@{v} was replaced by policy@{upd['version']}" in resp.json()["error"]["message"]
