@@ -139,3 +139,10 @@ def waiting_requests(scheduler):
         queue = getattr(scheduler, name, None)
         if queue is not None:
             yield from list(queue)
+
+
+def request_state_class():
+    """`vllm.v1.engine.output_processor.RequestState`: builds each `CompletionOutput`."""
+    from vllm.v1.engine.output_processor import RequestState
+
+    return RequestState

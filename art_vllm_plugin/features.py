@@ -27,8 +27,14 @@ def _declare(name: str, description: str, enabled: bool) -> None:
 _declare("capabilities", "GET /art/v1/capabilities", True)
 _declare("cli_plugin_flag", "`vllm serve --plugin art` selects the plugin", True)
 _declare("inflight_lora_update", "atomic in-place LoRA slot updates between engine steps", True)
-_declare("policy_spans", "per-token policy-version spans on every (non-streaming) choice", True)
+_declare(
+    "policy_spans",
+    "per-token policy-version spans on every choice, streaming chunks included",
+    True,
+)
 _declare("prefix_cache_salting", "prefix-cache salt derived from the slot's policy version", True)
+_declare("exact_aliases", "model name slot@N serves exactly version N or is refused", True)
+_declare("guarded_routes", "/art routes need the API key when one is set", True)
 _declare("metrics", "GET /art/metrics fast JSON snapshot", True)
 
 

@@ -7,8 +7,7 @@ response models accept extra fields):
 
     "policy_spans": [{"start", "end", "slot", "version"}]   # half-open, contiguous, complete
 
-Streaming is not covered yet: a streaming request on a LoRA slot is refused with 400 and a
-message saying so, rather than served without provenance. Base-model streaming is stock.
+Streaming responses carry spans per chunk: see `stream_spans`.
 """
 
 from __future__ import annotations
@@ -17,14 +16,10 @@ import functools
 from http import HTTPStatus
 
 from art_vllm_plugin import compat
-from art_vllm_plugin.api_server import aliases
+from art_vllm_plugin.api_server import aliases, stream_spans
 from art_vllm_plugin.provenance import policy_spans
 
 _MARK = "__art_patched__"
-STREAMING_REFUSAL = (
-    "stream=true on LoRA slot {model!r} is not supported yet by the art plugin: per-token "
-    "policy spans would be lost. Send stream=false (every choice then carries policy_spans)."
-)
 
 
 def spans_for_output(output, lora_request) -> list[dict]:
@@ -71,6 +66,12 @@ def _wrap_chat_full_generator(original):
 
 #: The API server's slot registry, set by `install`; aliases are resolved against it.
 _REGISTRY: list = []
+#: Alias of a request in flight (by id of the request object), for its stream generator.
+_ALIASES: dict[int, aliases.Alias] = {}
+
+
+def pending_alias(request) -> aliases.Alias | None:
+    return _ALIASES.pop(id(request), None)
 
 
 def _slots() -> dict:
@@ -88,11 +89,13 @@ def _wrap_create(original):
             )
         if alias is not None:
             request.model = alias.slot
-        if getattr(request, "stream", False) and request.model in self.models.lora_requests:
-            return self.create_error_response(
-                STREAMING_REFUSAL.format(model=request.model), status_code=HTTPStatus.BAD_REQUEST
-            )
-        response = await original(self, request, raw_request)
+        if alias is not None:
+            _ALIASES[id(request)] = alias
+        try:
+            response = await original(self, request, raw_request)
+        finally:
+            if not getattr(request, "stream", False):
+                _ALIASES.pop(id(request), None)
         if alias is not None and hasattr(response, "choices"):
             try:
                 aliases.check_choices(alias, response.choices)
@@ -119,4 +122,5 @@ def install(registry) -> None:
         chat.chat_completion_full_generator
     )
     chat.create_chat_completion = _wrap_create(chat.create_chat_completion)
+    stream_spans.install(compat.request_state_class(), completion, chat)
     setattr(completion, _MARK, True)

@@ -14,6 +14,7 @@ the lock is released when the task ends.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from art_vllm_plugin.adapters import (
 )
 from art_vllm_plugin.api_server.paths import PathPolicy, PathRefused
 
+logger = logging.getLogger("vllm.art_plugin.slots")
 _GAUGE = []
 
 
@@ -144,6 +146,7 @@ class SlotRegistry:
                 raise UpdateError(
                     422, f"{exc}; slot {name!r} keeps serving version {slot.version}"
                 ) from exc
+            t_validated = time.perf_counter()
             try:
                 result = await compat.call_engine_utility(
                     self.engine_client,
@@ -166,6 +169,16 @@ class SlotRegistry:
             slot.last_update_ms = (time.perf_counter() - t0) * 1000.0
             self._point_new_requests_at(name, resolved)
             slot_version_gauge().labels(slot=name).set(version)
+            logger.info(
+                "art update slot=%s version=%d step=%d wait+validate=%.1fms engine_call=%.1fms "
+                "in_engine=%.1fms",
+                name,
+                version,
+                result["step"],
+                (t_validated - t0) * 1000,
+                (time.perf_counter() - t_validated) * 1000,
+                result["engine_ms"],
+            )
             return {
                 "slot": name,
                 "version": version,

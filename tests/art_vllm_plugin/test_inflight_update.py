@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import re
 
 import httpx
@@ -289,14 +290,129 @@ def test_stale_version_and_unknown_slot_and_malformed_request(server, art, tiny_
     assert _version(art) == current
 
 
-def test_streaming_on_a_slot_is_refused_not_served_without_provenance(server):
-    resp = httpx.post(
-        server.url + "/v1/completions",
-        timeout=60,
-        json={"model": "policy", "prompt": PROMPT, "max_tokens": 4, "stream": True},
-    )
-    assert resp.status_code == 400
-    assert "policy spans would be lost" in resp.json()["error"]["message"]
+async def _stream(server, route, body, update=None):
+    """Stream `body`; returns {choice index: merged chunk spans}, token counts, errors.
+
+    With `update=(path, version)`, publishes it once the engine ran 8 steps of the stream.
+    """
+    spans: dict[int, list] = {}
+    chunks_with_tokens: dict[int, int] = {}
+    errors = []
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        s0 = (await client.get("/art/v1/engine")).json()["steps"]
+
+        async def consume():
+            async with client.stream("POST", route, json={**body, "stream": True}) as resp:
+                assert resp.status_code == 200, await resp.aread()
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    payload = json.loads(line[len("data: ") :])
+                    if "error" in payload:
+                        errors.append(payload["error"])
+                    for choice in payload.get("choices") or ():
+                        for span in choice.get("policy_spans") or ():
+                            merged = spans.setdefault(choice["index"], [])
+                            if (
+                                merged
+                                and merged[-1]["end"] == span["start"]
+                                and (merged[-1]["version"] == span["version"])
+                            ):
+                                merged[-1]["end"] = span["end"]
+                            else:
+                                merged.append(dict(span))
+                        if choice.get("policy_spans"):
+                            chunks_with_tokens[choice["index"]] = (
+                                chunks_with_tokens.get(choice["index"], 0) + 1
+                            )
+
+        task = asyncio.create_task(consume())
+        upd = None
+        if update is not None:
+            while (await client.get("/art/v1/engine")).json()["steps"] < s0 + 8:
+                await asyncio.sleep(0.01)
+            upd = (
+                await client.post(
+                    "/art/v1/lora/update",
+                    json={"slot": "policy", "path": str(update[0]), "version": update[1]},
+                )
+            ).json()
+        await task
+    return spans, chunks_with_tokens, errors, upd, s0
+
+
+def test_streaming_spans_concatenate_to_the_non_streaming_spans(server, art):
+    body = {
+        "model": "policy",
+        "prompt": PROMPT,
+        "max_tokens": 40,
+        "n": 2,
+        "temperature": 0.9,
+        "seed": 11,
+        "ignore_eos": True,
+    }
+    full = httpx.post(server.url + "/v1/completions", json=body, timeout=300).json()
+    spans, chunks, errors, _, _ = asyncio.run(_stream(server, "/v1/completions", body))
+    assert not errors
+    assert sorted(spans) == [0, 1]
+    for choice in full["choices"]:
+        assert spans[choice["index"]] == choice["policy_spans"]
+        assert chunks[choice["index"]] > 1, "spans arrive chunk by chunk, not at the end"
+
+
+def test_streaming_chat_carries_spans(server, art):
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    spans, _, errors, _, _ = asyncio.run(_stream(server, "/v1/chat/completions", body))
+    assert not errors
+    validate_spans({"policy_spans": spans[0]}, 24, latest_version=_version(art))
+
+
+def test_streaming_through_a_mid_stream_update(server, art, versions, tiny_adapters):
+    body = {
+        "model": "policy",
+        "prompt": PROMPT,
+        "max_tokens": LONG,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    for _ in range(5):
+        v = _version(art)
+        spans, _, errors, upd, s0 = asyncio.run(
+            _stream(server, "/v1/completions", body, update=(tiny_adapters / "c", versions()))
+        )
+        if upd["step"] < s0 + LONG - 1:
+            break
+    assert not errors
+    merged = validate_spans({"policy_spans": spans[0]}, LONG, latest_version=upd["version"])
+    assert [s["version"] for s in merged] == [v, upd["version"]]
+
+
+def test_streaming_on_a_replaced_alias_ends_with_an_error(server, art, versions, tiny_adapters):
+    for _ in range(5):
+        v = _version(art)
+        body = {
+            "model": f"policy@{v}",
+            "prompt": PROMPT,
+            "max_tokens": LONG,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        spans, _, errors, upd, s0 = asyncio.run(
+            _stream(server, "/v1/completions", body, update=(tiny_adapters / "a", versions()))
+        )
+        if upd["step"] < s0 + LONG - 1:
+            break
+    else:
+        raise AssertionError(f"update never landed mid-stream: {upd}, s0={s0}")
+    assert errors and errors[0]["code"] == 409, (errors, spans, upd, s0)
+    assert f"policy@{v} was replaced" in errors[0]["message"]
+    assert {s["version"] for s in spans[0]} == {v}, "no token of another version is sent"
 
 
 async def _race(server, adapters, start_version):
