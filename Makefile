@@ -63,9 +63,10 @@ test-serve: serve-env $(TINY)/.ready
 test-train: train-env
 	$(TRAIN)/bin/python -m pytest tests/art_megatron_ext tests/hybridep tests/train_env
 
+PY_DIRS := art_vllm_plugin art_megatron_ext hybridep tests bench scripts
 lint: serve-env
-	$(SERVE)/bin/ruff check .
-	$(SERVE)/bin/ruff format --check .
+	$(SERVE)/bin/ruff check $(PY_DIRS)
+	$(SERVE)/bin/ruff format --check $(PY_DIRS)
 
 clean:
 	rm -rf $(SERVE) $(TRAIN) .cache
