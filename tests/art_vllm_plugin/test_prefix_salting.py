@@ -92,55 +92,76 @@ def test_base_model_keeps_stock_caching(server, tiny_model, tiny_adapters):
     assert cached(server, model=str(tiny_model)) > 0, "an update does not touch base KV"
 
 
-async def _waiting_request(server, adapter, new_version):
-    """A long request runs; the probe waits behind it; optionally update meanwhile."""
+async def _probe_behind_blocker(server, update=None):
+    """A long streamed request runs; a probe is sent behind it (it waits: --max-num-seqs 1),
+    then, if `update=(path, version)`, the update right after it.
+
+    Returns (probe cached tokens, probe spans, update result or None).
+    """
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-        steps0 = (await client.get("/art/v1/engine")).json()["steps"]
-        blocker = asyncio.create_task(
-            client.post(
-                "/v1/completions",
-                json={"model": "policy", "prompt": "block", "max_tokens": 460, "ignore_eos": True},
-            )
-        )
-        while (await client.get("/art/v1/engine")).json()["steps"] <= steps0:
-            await asyncio.sleep(0.005)
-        probe = asyncio.create_task(
-            client.post(
-                "/v1/completions",
-                json={"model": "policy", "prompt": LONG_PROMPT, "max_tokens": 2, "temperature": 0},
-            )
-        )
-        while (await client.get("/art/v1/engine")).json()["waiting"] < 1:
-            if probe.done():  # the machine delayed our poll past the wait: try again
-                await blocker
-                return None
-            await asyncio.sleep(0.005)
-        upd = None
-        if new_version is not None:
-            upd = (
-                await client.post(
-                    "/art/v1/lora/update",
-                    json={"slot": "policy", "path": str(adapter), "version": new_version},
+        body = {
+            "model": "policy",
+            "prompt": "block",
+            "max_tokens": 460,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with client.stream("POST", "/v1/completions", json=body) as blocker:
+            lines = blocker.aiter_lines()
+            async for line in lines:  # the blocker is scheduled once its first chunk arrives
+                if line.startswith("data: {"):
+                    break
+            probe = asyncio.create_task(
+                client.post(
+                    "/v1/completions",
+                    json={
+                        "model": "policy",
+                        "prompt": LONG_PROMPT,
+                        "max_tokens": 2,
+                        "temperature": 0,
+                    },
                 )
-            ).json()
-        probe_resp, blocker_resp = await probe, await blocker
-    assert blocker_resp.status_code == 200 and probe_resp.status_code == 200
-    return probe_resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"], upd
+            )
+            upd = None
+            if update is not None:
+                await asyncio.sleep(0.05)
+                upd = (
+                    await client.post(
+                        "/art/v1/lora/update",
+                        json={"slot": "policy", "path": str(update[0]), "version": update[1]},
+                    )
+                ).json()
+            async for _ in lines:
+                pass
+        resp = (await probe).json()
+    return (
+        resp["usage"]["prompt_tokens_details"]["cached_tokens"],
+        resp["choices"][0]["policy_spans"],
+        upd,
+    )
 
 
-def waiting_request(server, adapter, new_version, attempts=3):
-    for _ in range(attempts):
-        result = asyncio.run(_waiting_request(server, adapter, new_version))
-        if result is not None:
-            return result
-    raise AssertionError(f"never observed the probe waiting in {attempts} attempts")
+def test_waiting_request_hits_the_cache_when_nothing_changes(server):
+    cached(server)
+    hits, _, _ = asyncio.run(_probe_behind_blocker(server))
+    assert hits > 0
 
 
 def test_request_waiting_during_an_update_is_resalted(server, tiny_adapters):
-    cached(server)  # warm the cache at the current version
-    hits, _ = waiting_request(server, None, None)
-    assert hits > 0, "control: a waiting request hits the cache when nothing changes"
-    cached(server)
-    hits, upd = waiting_request(server, tiny_adapters / "a", version(server) + 1)
-    assert upd["resalted_waiting"] == 1, upd
-    assert hits == 0, "a request still waiting when its slot updates must not reuse old KV"
+    """Whichever of probe and update reaches the engine first, the probe's prefill looks up
+    cached blocks only under the version that computes it (its spans say which)."""
+    landed_while_waiting = False
+    for _ in range(6):
+        cached(server)  # warm the cache at the current version
+        old = version(server)
+        hits, spans, upd = asyncio.run(
+            _probe_behind_blocker(server, update=(tiny_adapters / "a", old + 1))
+        )
+        if spans[0]["version"] == upd["version"]:
+            assert hits == 0, "a request computed by the new version reused old KV"
+            if upd["resalted_waiting"] >= 1:
+                landed_while_waiting = True
+                break
+        else:  # the probe was prefilled before the update: old KV was right for it
+            assert spans[0]["version"] == old
+    assert landed_while_waiting, "the update never landed while the probe waited"
