@@ -42,6 +42,45 @@ def slot_version(label: str | None, lora_int_id: int | None) -> int:
     return decode_versions(label).get(lora_int_id, 0)
 
 
+def extend_spans(spans: list[dict[str, Any]], more: Iterable[dict[str, Any]]) -> None:
+    """Append spans, merging each into its predecessor when contiguous and of equal version
+    (another slot's update changes the label but not this slot's version)."""
+    for span in more:
+        last = spans[-1] if spans else None
+        if last and last["end"] == span["start"] and last["version"] == span["version"]:
+            last["end"] = span["end"]
+        else:
+            spans.append(dict(span))
+
+
+def slot_spans(
+    weight_versions: Iterable[Any] | None,
+    slot: str | None,
+    lora_int_id: int | None,
+    start: int = 0,
+    end: int | None = None,
+) -> list[dict[str, Any]]:
+    """This slot's merged spans from vLLM `WeightVersionSpan(version, start, end)` objects,
+    clipped to tokens `[start, end)` (`end=None`: no upper clip)."""
+    spans: list[dict[str, Any]] = []
+    for wv in weight_versions or ():
+        lo = max(wv.start, start)
+        hi = wv.end if end is None else min(wv.end, end)
+        if lo < hi:
+            extend_spans(
+                spans,
+                [
+                    {
+                        "start": lo,
+                        "end": hi,
+                        "slot": slot,
+                        "version": slot_version(wv.version, lora_int_id),
+                    }
+                ],
+            )
+    return spans
+
+
 def policy_spans(
     weight_versions: Iterable[Any] | None,
     num_tokens: int,
@@ -51,18 +90,9 @@ def policy_spans(
     """Half-open spans over a choice's completion tokens: contiguous, covering all of them.
 
     `weight_versions` are vLLM `WeightVersionSpan(version, start, end)` objects (or None when
-    no label was reported, e.g. zero tokens). Adjacent spans whose slot version is equal are
-    merged (another slot's update changes the label but not this slot's version).
+    no label was reported, e.g. zero tokens).
     """
-    spans: list[dict[str, Any]] = []
-    for wv in weight_versions or ():
-        if wv.end <= wv.start:
-            continue
-        version = slot_version(wv.version, lora_int_id)
-        if spans and spans[-1]["version"] == version and spans[-1]["end"] == wv.start:
-            spans[-1]["end"] = wv.end
-        else:
-            spans.append({"start": wv.start, "end": wv.end, "slot": slot, "version": version})
+    spans = slot_spans(weight_versions, slot, lora_int_id)
     covered = spans[-1]["end"] if spans else 0
     if covered != num_tokens or (spans and spans[0]["start"] != 0):
         raise RuntimeError(

@@ -21,7 +21,7 @@ import inspect
 import json
 from collections import defaultdict
 
-from art_vllm_plugin.provenance import slot_version
+from art_vllm_plugin.provenance import extend_spans, slot_spans, slot_version
 
 _MARK = "__art_stream_patched__"
 
@@ -34,30 +34,11 @@ def _new_token_spans(output, lora_request, produced: int) -> tuple[list[dict], i
     slot = lora_request.lora_name if lora_request is not None else None
     lora_id = lora_request.lora_int_id if lora_request is not None else None
     start, end = produced, produced + new
-    spans: list[dict] = []
-    for wv in getattr(output, "weight_versions", None) or ():
-        lo, hi = max(wv.start, start), min(wv.end, end)
-        if lo >= hi:
-            continue
-        version = slot_version(wv.version, lora_id)
-        if spans and spans[-1]["version"] == version and spans[-1]["end"] == lo:
-            spans[-1]["end"] = hi
-        else:
-            spans.append({"start": lo, "end": hi, "slot": slot, "version": version})
+    spans = slot_spans(getattr(output, "weight_versions", None), slot, lora_id, start, end)
     if not spans or spans[0]["start"] != start or spans[-1]["end"] != end:
         # No labels reported (should not happen once the output processor is patched).
         spans = [{"start": start, "end": end, "slot": slot, "version": slot_version(None, lora_id)}]
     return spans, end
-
-
-def _extend(spans: list[dict], more: list[dict]) -> None:
-    """Append, merging a span into its predecessor when contiguous and of equal version."""
-    for span in more:
-        last = spans[-1] if spans else None
-        if last and last["end"] == span["start"] and last["version"] == span["version"]:
-            last["end"] = span["end"]
-        else:
-            spans.append(dict(span))
 
 
 def _carries_tokens(choice: dict) -> bool:
@@ -93,7 +74,7 @@ def wrap_stream_generator(original, index_of):
                 for output in res.outputs:
                     idx = index_of(request, item, output)
                     spans, produced[idx] = _new_token_spans(output, res.lora_request, produced[idx])
-                    _extend(pending[idx], spans)
+                    extend_spans(pending[idx], spans)
                 yield item
 
         bound.arguments["result_generator"] = capture()
