@@ -7,8 +7,6 @@ instantiates every installed stat-logger plugin, so an unselected plugin must co
 
 from __future__ import annotations
 
-import time
-
 from art_vllm_plugin import compat
 from art_vllm_plugin.api_server.metrics_feed import FEED
 from art_vllm_plugin.selection import is_selected
@@ -20,17 +18,10 @@ class ArtStatLogger(StatLoggerBase):
     def __init__(self, vllm_config, engine_index: int = 0):
         self.engine_index = engine_index
         self.active = is_selected()
-        self.steps_recorded = 0
-        self.last_record_time = 0.0
-        self.last_scheduler_stats = None
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         if not self.active:
             return
-        self.steps_recorded += 1
-        self.last_record_time = time.time()
-        if scheduler_stats is not None:
-            self.last_scheduler_stats = scheduler_stats
         FEED.record(scheduler_stats, iteration_stats)
 
     def log_engine_initialized(self):

@@ -44,8 +44,9 @@ def test_entry_points_resolve_to_the_types_vllm_requires():
 
 def test_unselected_stat_logger_records_nothing(monkeypatch):
     import art_vllm_plugin
+    from art_vllm_plugin.api_server.metrics_feed import FEED
 
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     logger = art_vllm_plugin.ArtStatLogger(vllm_config=None)
     logger.record(scheduler_stats=object(), iteration_stats=None)
-    assert logger.steps_recorded == 0 and logger.last_scheduler_stats is None
+    assert FEED.engine_steps == 0 and FEED.last_record_time is None
