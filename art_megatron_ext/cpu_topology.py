@@ -40,10 +40,25 @@ class CpuBudget:
 
 
 def _read_text(path: Path) -> str | None:
+    """The file's stripped text; None when it is absent. A file that exists but cannot be
+    read as text (a directory, bytes that are not UTF-8, an I/O or permission error) is
+    reported like malformed content and also gives None: the other limits stay in effect."""
     try:
-        return path.read_text().strip()
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return path.read_text(encoding="utf-8").strip()
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except (OSError, UnicodeDecodeError) as exc:  # IsADirectoryError, PermissionError, EIO...
+        _unreadable(path, exc)
+        return None
+
+
+def _unreadable(path: Path, exc: BaseException) -> None:
+    logger.warning(
+        "ignoring unreadable CPU quota file %s (%s: %s); the other CPU limits stay in effect",
+        path,
+        type(exc).__name__,
+        exc,
+    )
 
 
 def _malformed(path: Path, text: str) -> None:

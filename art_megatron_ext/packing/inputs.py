@@ -25,7 +25,9 @@ class Trajectory:
 
     Attributes:
         tokens: `[n]` integer token ids, `n >= 1`.
-        assistant_mask: `[n]` bool, True on the tokens the loss trains on.
+        assistant_mask: `[n]` bool, True on the tokens the loss trains on. The first token
+            cannot be trained (nothing before it predicts it): `assistant_mask[0]` must be
+            False, so every trained token has a predecessor `>= 0` in the packed rows.
         logprobs: `[n]` float sampling logprobs, NaN where none (prompt tokens); None = all NaN.
         advantage: a finite scalar, or `[n]` finite per-token advantages.
         weight: a finite scalar, or `[n]` finite per-token loss weights.
@@ -99,6 +101,12 @@ def check_trajectory(
     if mask.dtype != np.bool_ or mask.shape != (length,):
         raise PackingInputError(
             f"{name}: assistant_mask must be bool ({length},), got {mask.dtype} {mask.shape}"
+        )
+    if mask[0]:
+        raise PackingInputError(
+            f"{name}: assistant_mask[0] is True, but no logits predict a trajectory's first "
+            "token (its predecessor would be -1); start the trajectory with at least one "
+            "untrained (prompt or BOS) token"
         )
     if trajectory.logprobs is None:
         logprobs = np.full(length, np.nan, dtype=np.float32)

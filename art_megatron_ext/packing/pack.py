@@ -8,7 +8,9 @@ routes into the same positions (`routing/collate.py`).
 The attention rule is carried by one integer per token, `subtree_end`: key `j` is visible to
 query `i` iff `j <= i < subtree_end[j]` (see `attention.py`). Because a branch does not follow
 its parent physically, the logits that predict token `i` sit at `predecessor[i]` (the previous
-token of the same trajectory), not at `i - 1`.
+token of the same trajectory), not at `i - 1`. A trajectory's first token and padding have
+`predecessor == -1`; neither is ever trained (a trained first token is refused as input), so a
+trainer gathering logits at `predecessor` where `assistant_mask` is True never reads index -1.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class PackedTokens:
     input_pos: np.ndarray  # int64, position within the trajectory (for RoPE / embeddings)
     segment_ids: np.ndarray  # int32, one id per stored node instance, -1 on padding
     subtree_end: np.ndarray  # int32, see the module docstring
-    predecessor: np.ndarray  # int32, -1 for a trajectory's first token and for padding
+    predecessor: np.ndarray  # int32, -1 for a trajectory's first token and for padding;
+    # never -1 where assistant_mask is True (inputs.py refuses a trained first token)
     assistant_mask: np.ndarray  # bool
     logprobs: np.ndarray  # float32, NaN where none
     advantages: np.ndarray  # float32

@@ -126,3 +126,36 @@ def test_pool_workers_rejects_bad_arguments_naming_them(scenario, cap, reserve):
     scenario("missing")
     with pytest.raises(ValueError, match="cap" if cap == 0 else "reserve"):
         cpu_topology.pool_workers(cap=cap, reserve=reserve)
+
+
+@pytest.mark.parametrize("kind", ["not_utf8", "directory"])
+def test_unreadable_cpu_max_is_ignored_with_a_warning_naming_it(
+    scenario, tmp_path, monkeypatch, caplog, kind
+):
+    """A `cpu.max` that is not UTF-8 text or is a directory leaves the other limits in effect
+    (it used to raise UnicodeDecodeError / IsADirectoryError out of usable_cpus)."""
+    scenario("v1_quota")  # v1: 3 CPUs, still applied
+    cpu_max = tmp_path / "cpu.max"
+    if kind == "directory":
+        cpu_max.mkdir()
+    else:
+        cpu_max.write_bytes(b"\xff\xfe 100000\n")
+    monkeypatch.setattr(cpu_topology, "CGROUP_V2_ROOT", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger=cpu_topology.__name__):
+        budget = cpu_topology.cpu_budget(affinity=8)
+    assert (budget.cgroup_v2, budget.cgroup_v1, budget.usable) == (None, 3.0, 3)
+    assert str(cpu_max) in caplog.text and "stay in effect" in caplog.text
+
+
+def test_unreadable_v1_quota_file_is_ignored(scenario, tmp_path, monkeypatch, caplog):
+    scenario("missing")
+    quota = tmp_path / "cpu.cfs_quota_us"
+    quota.mkdir()
+    period = tmp_path / "cpu.cfs_period_us"
+    period.write_bytes(b"\x80\x81")
+    monkeypatch.setattr(cpu_topology, "CGROUP_V1_CFS_QUOTA_US", str(quota))
+    monkeypatch.setattr(cpu_topology, "CGROUP_V1_CFS_PERIOD_US", str(period))
+    with caplog.at_level(logging.WARNING, logger=cpu_topology.__name__):
+        assert cpu_topology.cgroup_v1_cpu_limit() is None
+        assert cpu_topology.usable_cpus(affinity=2) == 2
+    assert str(quota) in caplog.text

@@ -63,6 +63,26 @@ def test_every_trajectory_is_recoverable_from_its_positions(
         np.testing.assert_array_equal(visible, positions)
 
 
+@pytest.mark.parametrize("seq_len", [64, 20])
+def test_every_trained_token_has_a_predecessor_inside_its_row(
+    seq_len, single_turn_group, multi_turn_group
+):
+    """Where assistant_mask is True, predecessor is a real earlier position of the row (never
+    the -1 of a first token or padding), so gathering logits there is always in range."""
+    rng = np.random.default_rng(6)
+    packed = pack_groups(
+        _batch(rng, single_turn_group, multi_turn_group),
+        PackingConfig(seq_len=seq_len, vocab_size=VOCAB),
+    )
+    trained = packed.assistant_mask
+    assert trained.any()
+    predecessor = packed.predecessor[trained]
+    assert (predecessor >= 0).all()
+    rows, cols = trained.nonzero(as_tuple=True)
+    assert (predecessor < cols).all()
+    assert (packed.segment_ids[rows, predecessor.long()] >= 0).all()
+
+
 def test_weights_sum_over_the_trajectories_that_train_a_shared_token():
     tokens = np.array([1, 2, 3, 4])
     mask = np.array([False, False, True, True])
@@ -114,7 +134,7 @@ def test_uncaptured_route_suffix_is_marked_in_the_route_padding_mask():
     rng = np.random.default_rng(4)
     tokens = rng.integers(0, VOCAB, 6)
     routes = routes_for(tokens, 4)
-    trajectory = Trajectory(tokens, np.ones(6, bool), routes=routes)
+    trajectory = Trajectory(tokens, np.arange(6) >= 1, routes=routes)
     packed = pack_groups(
         [TrajectoryGroup([trajectory])], PackingConfig(seq_len=8, vocab_size=VOCAB)
     )
