@@ -5,6 +5,7 @@
 manifest-committed checkpoints it falls back to (format: docs/checkpoint-format.md).
 """
 
+from art_megatron_ext.optim.async_save import AsyncCheckpointer, snapshot_state
 from art_megatron_ext.optim.checkpoint import (
     CheckpointConfig,
     CheckpointCorruptError,
@@ -15,6 +16,11 @@ from art_megatron_ext.optim.checkpoint import (
 )
 from art_megatron_ext.optim.fileio import CheckpointIO
 from art_megatron_ext.optim.manifest import CheckpointFormatError, Manifest
+from art_megatron_ext.optim.optimizer_state import (
+    OptimizerLayoutError,
+    capture_optimizer_state,
+    restore_optimizer_state,
+)
 from art_megatron_ext.optim.resident import (
     ObjectiveMismatchError,
     Residency,
@@ -26,6 +32,7 @@ from art_megatron_ext.optim.resident import (
 from art_megatron_ext.optim.schedule import PeriodicSaver, SaveSchedule
 
 __all__ = [
+    "AsyncCheckpointer",
     "CheckpointConfig",
     "CheckpointCorruptError",
     "CheckpointFormatError",
@@ -35,6 +42,7 @@ __all__ = [
     "LoadedShard",
     "Manifest",
     "ObjectiveMismatchError",
+    "OptimizerLayoutError",
     "PeriodicSaver",
     "Residency",
     "ResidentKey",
@@ -43,4 +51,7 @@ __all__ = [
     "SaveSchedule",
     "ShardedCheckpointer",
     "TrainableStateError",
+    "capture_optimizer_state",
+    "restore_optimizer_state",
+    "snapshot_state",
 ]

@@ -179,7 +179,7 @@ class ShardedCheckpointer:
                 raise CheckpointCorruptError(
                     f"{path}: size {size} bytes does not match the manifest's {record.size} {where}"
                 )
-            digest = helper.submit(digest_open_file, f, size)
+            digest = helper.submit(digest_open_file, f, size, manifest.digest_name)
             same_file = Path(f"/proc/self/fd/{f.fileno()}")
             try:
                 state = torch.load(
@@ -191,9 +191,10 @@ class ShardedCheckpointer:
             except Exception as exc:  # judged after the digest: corruption explains it
                 state, load_error = None, exc
             got = digest.result()
-        if got != record.blake2b:
+        if got != record.digest:
             raise CheckpointCorruptError(
-                f"{path}: blake2b digest {got} does not match the manifest's {record.blake2b} "
+                f"{path}: {manifest.digest_name} digest {got} does not match the manifest's "
+                f"{record.digest} "
                 f"{where}; the file is corrupt or was replaced. Nothing was loaded."
             ) from load_error
         if load_error is not None:
@@ -291,9 +292,7 @@ class ShardedCheckpointer:
                 self.directory / name, lambda sink: torch.save(state, sink)
             )
             self.io.fsync_dir(self.directory)  # the rename is durable before any manifest names it
-            outcome: ShardRecord | str = ShardRecord(
-                rank=rank, name=name, size=size, blake2b=digest
-            )
+            outcome: ShardRecord | str = ShardRecord(rank=rank, name=name, size=size, digest=digest)
         except Exception as exc:
             outcome, local_error = f"rank {rank}: {type(exc).__name__}: {exc}", exc
         outcomes = self.group.all_gather(outcome)  # the barrier: every shard is durable here

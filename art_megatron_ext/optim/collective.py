@@ -27,6 +27,11 @@ class RankGroup:
                 )
             self.rank, self.world_size = 0, 1
 
+    @property
+    def group(self) -> Any:
+        """The process group given (None: the default group, or no torch.distributed)."""
+        return self._group
+
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, indexed by rank; also the barrier of a save."""
         if not self._distributed:

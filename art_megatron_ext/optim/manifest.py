@@ -2,7 +2,7 @@
 
 Why: a reader must be able to tell a committed generation from debris left by a crash
 without trusting directory listings. The manifest is the single commit record: it names
-every shard of the generation with its size and BLAKE2b digest; anything else in the
+every shard of the generation with its size and digest; anything else in the
 directory is ignored. The layout is specified in docs/checkpoint-format.md.
 """
 
@@ -13,10 +13,14 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from art_megatron_ext.optim.fileio import LEGACY_DIGEST, WRITE_DIGEST
+
 MANIFEST_NAME = "CURRENT.json"
 FORMAT_NAME = "art-pipeline/sharded-checkpoint"
-FORMAT_VERSION = 1
-DIGEST_NAME = "blake2b-256"  # BLAKE2b, 32-byte digest, of every byte of the file
+FORMAT_VERSION = 2  # written; 1 (BLAKE2b-256 digests, field `blake2b`) is still read
+# format_version -> (digest algorithm, name of the per-file digest field)
+_DIGESTS = {1: (LEGACY_DIGEST, "blake2b"), 2: (WRITE_DIGEST, "digest")}
+DIGEST_NAME = WRITE_DIGEST
 
 # gen-00000007.rank-00001-of-00002.pt
 _SHARD_RE = re.compile(r"^gen-(\d{8})\.rank-(\d{5})-of-(\d{5})\.pt$")
@@ -45,7 +49,7 @@ class ShardRecord:
     rank: int
     name: str
     size: int
-    blake2b: str
+    digest: str  # hex, of the manifest's digest algorithm
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class Manifest:
     world_size: int
     objective: str
     files: tuple[ShardRecord, ...]
+    digest_name: str = WRITE_DIGEST  # LEGACY_DIGEST only for a format-1 manifest read back
 
     def shard_for(self, rank: int) -> ShardRecord:
         for record in self.files:
@@ -67,6 +72,8 @@ class Manifest:
         )
 
     def to_json(self) -> bytes:
+        if self.digest_name != WRITE_DIGEST:
+            raise ValueError(f"manifests are written with {WRITE_DIGEST}, not {self.digest_name}")
         body = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -87,22 +94,24 @@ class Manifest:
                 raise CheckpointFormatError(
                     f"{source}: format is {body.get('format')!r}, expected {FORMAT_NAME!r}"
                 )
-            if body.get("format_version") != FORMAT_VERSION:
+            version = body.get("format_version")
+            if isinstance(version, bool) or version not in _DIGESTS:
                 raise CheckpointFormatError(
-                    f"{source}: format_version {body.get('format_version')!r} is not supported "
-                    f"(this reader knows version {FORMAT_VERSION})"
+                    f"{source}: format_version {version!r} is not supported "
+                    f"(this reader knows versions {sorted(_DIGESTS)})"
                 )
-            if body.get("digest") != DIGEST_NAME:
+            digest_name, field = _DIGESTS[version]
+            if body.get("digest") != digest_name:
                 raise CheckpointFormatError(
-                    f"{source}: digest {body.get('digest')!r} is not supported (expected "
-                    f"{DIGEST_NAME!r})"
+                    f"{source}: digest {body.get('digest')!r} is not supported by format_version "
+                    f"{version} (expected {digest_name!r})"
                 )
             files = tuple(
                 ShardRecord(
                     rank=int(f["rank"]),
                     name=str(f["name"]),
                     size=int(f["size"]),
-                    blake2b=str(f["blake2b"]),
+                    digest=str(f[field]),
                 )
                 for f in body["files"]
             )
@@ -112,6 +121,7 @@ class Manifest:
                 world_size=int(body["world_size"]),
                 objective=str(body["objective"]),
                 files=files,
+                digest_name=digest_name,
             )
         except CheckpointFormatError:
             raise

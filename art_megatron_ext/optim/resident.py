@@ -7,8 +7,10 @@ session, same objective, same optimizer path. Any difference (an SFT job after R
 different optimizer path) must start from that path's checkpoint or from fresh state, so RL
 moments never leak into SFT.
 
-Works with any `torch.nn.Module` and any optimizer with `state_dict`/`load_state_dict`; the
-trainable state is every parameter with `requires_grad`.
+Works with any `torch.nn.Module` and any optimizer with `state_dict`/`load_state_dict`,
+including Megatron's `DistributedOptimizer` (its sharded main parameters and moments are
+saved too, see `optimizer_state.py`); the trainable state is every parameter with
+`requires_grad`. Saves may run in the background (`save_async`, `saver(async_save=True)`).
 """
 
 from __future__ import annotations
@@ -23,10 +25,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from art_megatron_ext.optim.async_save import AsyncCheckpointer
 from art_megatron_ext.optim.checkpoint import CheckpointConfig, LoadedShard, ShardedCheckpointer
 from art_megatron_ext.optim.collective import RankGroup
 from art_megatron_ext.optim.fileio import CheckpointIO
 from art_megatron_ext.optim.manifest import Manifest
+from art_megatron_ext.optim.optimizer_state import (
+    OptimizerLayoutError,
+    capture_optimizer_state,
+    restore_optimizer_state,
+)
 from art_megatron_ext.optim.schedule import PeriodicSaver, SaveSchedule
 
 __all__ = [
@@ -105,27 +113,57 @@ class ResidentState:
     # moments may be half-updated, so the next job reloads the last committed checkpoint.
     failed: str | None = None
 
+    _async: AsyncCheckpointer | None = field(default=None, repr=False)
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self._params}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"trainable": self.trainable_state(), "optimizer": self.optimizer.state_dict()}
+        """Trainable tensors and the optimizer's complete state (live tensors, not copies)."""
+        return {
+            "trainable": self.trainable_state(),
+            "optimizer": capture_optimizer_state(self.optimizer, self._params),
+        }
 
     def save(self, step: int) -> Manifest:
         """Commit this rank's trainable and optimizer state as checkpoint step `step`."""
+        self.wait_for_saves()
         manifest = self.checkpointer.save(
             self.state_dict(), step=step, objective=self.key.objective
         )
         self.step = step
         return manifest
 
-    def saver(self, schedule: SaveSchedule | None = None) -> PeriodicSaver:
+    def save_async(self, step: int) -> None:
+        """Snapshot the state now and commit it as step `step` in the background.
+
+        Returns once the snapshot is taken (the loop may then step the optimizer). Waits for
+        the previous background save first and raises its error if it failed.
+        """
+        if self._async is None:
+            self._async = AsyncCheckpointer(self.checkpointer)
+        self._async.save(self.state_dict(), step=step, objective=self.key.objective)
+        self.step = step
+
+    def wait_for_saves(self) -> Manifest | None:
+        """Wait for a background save's commit (raises its error); None when none is queued."""
+        return None if self._async is None else self._async.wait()
+
+    def saver(
+        self, schedule: SaveSchedule | None = None, *, async_save: bool = False
+    ) -> PeriodicSaver:
         """A `PeriodicSaver` that continues from this state's step.
 
-        Leaving its `with` block with an exception marks this state failed (not reusable).
+        With `async_save`, saves run in the background and a clean stop waits for the last
+        commit. Leaving its `with` block with an exception marks this state failed (not
+        reusable).
         """
         return PeriodicSaver(
-            self.save, schedule, last_saved_step=self.step, on_abort=self.mark_failed
+            self.save_async if async_save else self.save,
+            schedule,
+            last_saved_step=self.step,
+            on_abort=self.mark_failed,
+            drain=self.wait_for_saves if async_save else None,
         )
 
     def mark_failed(self, exc: BaseException) -> None:
@@ -215,6 +253,9 @@ class ResidentOptimizerStore:
             current.residency, current.reason = Residency.REUSED, "key matches"
             return current
 
+        if current is not None:
+            # A background save must commit before its directory is read or dropped.
+            current.wait_for_saves()
         checkpointer = ShardedCheckpointer(
             CheckpointConfig(key.optimizer_path, weights_only=self._weights_only),
             group=self._group,
@@ -224,7 +265,7 @@ class ResidentOptimizerStore:
         restored, local_error = None, None
         try:
             restored = None if loaded is None else _validated_payload(key, params, loaded)
-        except (ObjectiveMismatchError, TrainableStateError) as exc:
+        except (ObjectiveMismatchError, TrainableStateError, OptimizerLayoutError) as exc:
             local_error = exc
         errors = [
             e
@@ -248,12 +289,15 @@ class ResidentOptimizerStore:
         else:
             trainable, optim_state = restored
             optimizer = build_optimizer([p for _, p in params])
-            optimizer.load_state_dict(optim_state)
+            assert loaded is not None
+            # Optimizer first: a layout mismatch raises before the model is touched. (For fp32
+            # parameters a distributed optimizer's main shard is a view of the parameter; the
+            # copy below writes the same values again.)
+            restore_optimizer_state(optimizer, optim_state, params, source=str(loaded.path))
             if trainable is not None:
                 with torch.no_grad():
                     for name, p in params:
                         p.copy_(trainable[name])
-            assert loaded is not None
             residency, step = Residency.LOADED, loaded.step or 0
         state = ResidentState(
             key=key,

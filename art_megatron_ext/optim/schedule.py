@@ -48,9 +48,12 @@ class PeriodicSaver:
         *,
         last_saved_step: int | None = None,
         on_abort: Callable[[BaseException], None] | None = None,
+        drain: Callable[[], object] | None = None,
     ) -> None:
+        """`drain`: waits for saves that `save` queued (async saves); called on every stop."""
         self._save = save
         self._on_abort = on_abort
+        self._drain = drain
         self.schedule = schedule or SaveSchedule()
         self.last_saved_step = last_saved_step
         self.last_step: int | None = last_saved_step
@@ -68,10 +71,14 @@ class PeriodicSaver:
         return False
 
     def stop(self) -> bool:
-        """Clean stop: save the last completed step if it is not saved yet."""
-        if self.last_step is None or self.last_step == self.last_saved_step:
-            return False
-        return self._save_now(self.last_step)
+        """Clean stop: save the last completed step if it is not saved yet, and wait until
+        every queued save has committed (its error raises here)."""
+        saved = False
+        if self.last_step is not None and self.last_step != self.last_saved_step:
+            saved = self._save_now(self.last_step)
+        if self._drain is not None:
+            self._drain()
+        return saved
 
     def _save_now(self, step: int) -> bool:
         self._save(step)
@@ -89,5 +96,13 @@ class PeriodicSaver:
     ) -> None:
         if exc is None:
             self.stop()
-        elif self._on_abort is not None:
+            return
+        if self._drain is not None:
+            # An earlier, complete step may still be committing: let it, but the loop's own
+            # exception is what propagates.
+            try:
+                self._drain()
+            except Exception as drain_exc:
+                exc.add_note(f"a queued checkpoint save also failed: {drain_exc!r}")
+        if self._on_abort is not None:
             self._on_abort(exc)

@@ -3,8 +3,9 @@
 Why a separate process that forks: importing torch takes seconds on the shared box, so one
 driver imports it once and then, for each kill, forks a saver child that continues the
 checkpoint from the last committed step, saving in a loop and reporting each committed step
-through a pipe. The driver SIGKILLs the child at a random moment, loads the directory and
-prints one JSON line of facts per kill; the test asserts on them.
+through a pipe (`--async-save`: saves on the background thread). The driver SIGKILLs the
+child at a random moment, loads the directory and prints one JSON line of facts per kill;
+the test asserts on them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from art_megatron_ext.optim import CheckpointConfig, ShardedCheckpointer
+from art_megatron_ext.optim import AsyncCheckpointer, CheckpointConfig, ShardedCheckpointer
 
 BLOCKS, BLOCK_LEN = 8, 2048
 
@@ -44,15 +45,33 @@ def content_matches(state: dict, step: int) -> bool:
     )
 
 
-def saver_child(directory: Path, write_fd: int) -> None:
-    """Runs in the forked child until killed."""
+def saver_child(directory: Path, write_fd: int, async_save: bool) -> None:
+    """Runs in the forked child until killed.
+
+    With `async_save` the saves run on the background thread: the loop reports a step when
+    its commit completes, and overwrites its own tensors right after each snapshot (as a
+    training step would), so a save that wrote live tensors instead of the snapshot would
+    commit wrong content.
+    """
     checkpointer = ShardedCheckpointer(CheckpointConfig(directory))
     loaded = checkpointer.load()
     step = loaded.step if loaded is not None else 0
+    background = AsyncCheckpointer(checkpointer) if async_save else None
     while True:
         step += 1
-        checkpointer.save(state_for(step), step=step, objective="rl")
-        os.write(write_fd, struct.pack("<q", step))
+        if background is None:
+            checkpointer.save(state_for(step), step=step, objective="rl")
+            os.write(write_fd, struct.pack("<q", step))
+            continue
+        state = state_for(step)
+        saving = background.save(state, step=step, objective="rl")
+        saving.add_done_callback(
+            lambda done, step=step: (
+                done.exception() is None and os.write(write_fd, struct.pack("<q", step))
+            )
+        )
+        for block in state["blocks"]:
+            block.fill_(-1.0)
 
 
 def last_reported(read_fd: int) -> int | None:
@@ -70,6 +89,7 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-delay", type=float, default=0.08)
+    parser.add_argument("--async-save", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
@@ -79,7 +99,7 @@ def main() -> None:
         if pid == 0:  # child
             os.close(read_fd)
             try:
-                saver_child(args.dir, write_fd)
+                saver_child(args.dir, write_fd, args.async_save)
             finally:
                 os._exit(1)
         os.close(write_fd)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
 import torch
+import xxhash
 
 from art_megatron_ext.optim import (
     CheckpointConfig,
@@ -60,7 +62,9 @@ def test_round_trip_is_bit_exact_and_manifest_describes_the_shard(tmp_path):
     (entry,) = body["files"]
     shard = tmp_path / entry["name"]
     assert entry["size"] == shard.stat().st_size
-    assert entry["blake2b"] == file_digest(shard.read_bytes())
+    assert body["format_version"] == 2 and body["digest"] == "xxh3-128"
+    assert entry["digest"] == file_digest(shard.read_bytes())
+    assert entry["digest"] == xxhash.xxh3_128(shard.read_bytes()).hexdigest()
     assert manifest.files[0].name == entry["name"]
 
 
@@ -117,7 +121,7 @@ def test_digest_mismatch_names_the_file(tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointCorruptError, match="blake2b digest") as info:
+    with pytest.raises(CheckpointCorruptError, match="xxh3-128 digest") as info:
         checkpointer(tmp_path).load()
     assert str(shard) in str(info.value)
 
@@ -203,7 +207,45 @@ def test_corruption_that_breaks_deserialization_is_still_reported_as_a_digest_mi
     data = bytearray(shard.read_bytes())
     data[:4] = b"XXXX"  # no longer a zip archive: torch.load itself fails
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointCorruptError, match="blake2b digest") as info:
+    with pytest.raises(CheckpointCorruptError, match="xxh3-128 digest") as info:
         checkpointer(tmp_path).load()
     assert str(shard) in str(info.value)
     assert info.value.__cause__ is not None  # the deserializer's error is kept as the cause
+
+
+def test_format_1_manifest_with_blake2b_digests_still_loads_and_the_next_save_upgrades(tmp_path):
+    """A directory committed by the previous release (format 1, BLAKE2b-256) stays readable."""
+    state = make_state(11)
+    name = "gen-00000004.rank-00000-of-00001.pt"
+    torch.save(state, tmp_path / name)
+    data = (tmp_path / name).read_bytes()
+    body = {
+        "format": "art-pipeline/sharded-checkpoint",
+        "format_version": 1,
+        "generation": 4,
+        "step": 40,
+        "world_size": 1,
+        "objective": "rl",
+        "digest": "blake2b-256",
+        "files": [
+            {
+                "rank": 0,
+                "name": name,
+                "size": len(data),
+                "blake2b": hashlib.blake2b(data, digest_size=32).hexdigest(),
+            }
+        ],
+    }
+    (tmp_path / "CURRENT.json").write_text(json.dumps(body))
+    loaded = checkpointer(tmp_path).load()
+    assert loaded.step == 40 and loaded.generation == 4
+    assert_same(state, loaded.state)
+    data = bytearray(data)
+    data[len(data) // 2] ^= 1
+    (tmp_path / name).write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match="blake2b-256 digest"):
+        checkpointer(tmp_path).load()
+    checkpointer(tmp_path).save(make_state(12), step=41, objective="rl")
+    upgraded = json.loads((tmp_path / "CURRENT.json").read_text())
+    assert upgraded["format_version"] == 2 and upgraded["generation"] == 5
+    assert not (tmp_path / name).exists()

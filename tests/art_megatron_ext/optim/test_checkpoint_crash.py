@@ -1,4 +1,7 @@
-"""Crash test: a saver SIGKILLed at 50 random moments never leaves a mixed generation."""
+"""Crash test: a saver SIGKILLed at 50 random moments never leaves a mixed generation.
+
+Run for synchronous saves and for background (async) saves, where the kill usually lands
+while the background thread writes or commits and the loop has already moved on."""
 
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ DRIVER = Path(__file__).with_name("crash_saver.py")
 KILLS = 50
 
 
-@pytest.fixture(scope="module")
-def kill_facts(tmp_path_factory) -> list[dict]:
+@pytest.fixture(scope="module", params=["sync", "async"])
+def kill_facts(request, tmp_path_factory) -> list[dict]:
     """Runs the crash driver (one torch import, one forked saver per kill)."""
     directory = tmp_path_factory.mktemp("crash") / "ckpt"
     root = Path(__file__).resolve().parents[3]
@@ -32,6 +35,7 @@ def kill_facts(tmp_path_factory) -> list[dict]:
             str(KILLS),
             "--seed",
             "7",
+            *(["--async-save"] if request.param == "async" else []),
         ],
         capture_output=True,
         text=True,

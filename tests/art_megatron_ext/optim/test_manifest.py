@@ -23,7 +23,7 @@ SOURCE = Path("/ckpt/CURRENT.json")
 def manifest(world_size: int, generation: int = 3, step: int = 15, objective: str = "rl"):
     files = tuple(
         ShardRecord(
-            rank=r, name=shard_name(generation, r, world_size), size=100 + r, blake2b="ab" * 32
+            rank=r, name=shard_name(generation, r, world_size), size=100 + r, digest="ab" * 16
         )
         for r in range(world_size)
     )
@@ -50,7 +50,9 @@ def edited(**changes) -> bytes:
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        (edited(format_version=2), "format_version 2 is not supported"),
+        (edited(format_version=3), "format_version 3 is not supported"),
+        (edited(format_version=True), "format_version True is not supported"),
+        (edited(format_version=1), "digest 'xxh3-128' is not supported by format_version 1"),
         (edited(format="other"), "format is 'other'"),
         (edited(digest="sha256"), "digest 'sha256' is not supported"),
         (edited(world_size=3), r"lists ranks \[0, 1\] for world size 3"),
