@@ -73,3 +73,22 @@ async def lora_update(request: Request):
         return await request.app.state.art.slots.update(slot, path, version)
     except UpdateError as exc:
         return _error(exc.status, exc.message)
+
+
+@router.post("/v1/test/fault")
+async def test_fault(request: Request):
+    """Test-only fault hook (404 unless the server runs with ART_TEST_HOOKS=1).
+
+    Body `{"kind": "commit", "rank": R}`: the next update's commit fails on worker rank R
+    after writing its weights, to exercise the all-or-nothing restore.
+    """
+    if os.environ.get("ART_TEST_HOOKS") != "1":
+        return _error(404, "Not Found")
+    body = await request.json()
+    kind, rank = body.get("kind"), body.get("rank")
+    if kind != "commit" or not isinstance(rank, int):
+        return _error(400, 'body must be {"kind": "commit", "rank": <int>}')
+    await compat.call_engine_utility(
+        request.app.state.art.engine_client, "art_test_inject_fault", kind, rank
+    )
+    return {"armed": {"kind": kind, "rank": rank}}

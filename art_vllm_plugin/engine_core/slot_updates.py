@@ -1,94 +1,186 @@
-"""EngineCore side of an in-flight LoRA slot update: one utility call, between two steps.
+"""EngineCore side of an in-flight LoRA slot update: stage, then swap between two steps.
 
-`art_update_lora_slot` is added to vLLM's `EngineCore` and called from the API server with
-`call_utility_async`. vLLM runs utility calls in the busy loop between engine steps, so within
-this one call, with no step in between, it:
+Utility methods added to vLLM's `EngineCore`, called from the API server with
+`call_utility_async` (vLLM runs them in the busy loop between engine steps):
 
-1. asks every worker to *prepare* the adapter (load it from disk once, validate it against the
-   slot's stacked tensors); if any worker fails, all drop what they prepared and the call fails
-   with the first error, leaving weights and version untouched;
-2. asks every worker to *commit* (copy into the slot's stacked tensors and replace the
-   registered CPU copy) - a pure in-memory copy;
-3. bumps the slot's version in the per-step label (see `art_vllm_plugin.provenance`).
+1. `art_stage_lora_update(token, lora_int_id, name, stage_dir, version)`: asks every worker to
+   stage the adapter the API server validated and copied to `stage_dir`; each worker starts a
+   background thread and answers at once, so this call blocks the step loop for one RPC
+   round trip, whatever the adapter's size. The API server then waits for the workers'
+   markers in `stage_dir` (`art_vllm_plugin.staging`), with no engine call.
+2. `art_commit_lora_update(token, version)`: the swap. Every worker copies its staged tensors
+   into the slot (a memory copy, no file access); if any worker fails, the others put back
+   their previous weights within the same call (all-or-nothing), and the result says so. On
+   success the slot's version is bumped in the per-step label, and waiting requests of the
+   slot are re-salted (`cache_salting`).
+3. `art_abort_lora_update(token)`: drops a staged update.
 
-Running requests are neither aborted nor preempted: their next step runs on the new weights and
-is stamped with the new version. `art_steps` counts completed engine steps, so the returned
-`step` is the step before which the new weights took effect.
+Running requests are neither aborted nor preempted. A token's version is the version of the
+weights that computed it: batches carry the label in force when they were scheduled
+(`batch_stamps`), and a commit is ordered after every batch already launched. Each call
+records how long it held the step loop (`stall_ms`), the "engine stall" of an update.
+
+Failure results are returned, not raised, so the API server can tell an adapter problem
+(`kind="adapter"`, from staging) from an engine problem (`kind="commit"`).
 """
 
 from __future__ import annotations
 
+import os
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from art_vllm_plugin import compat
-from art_vllm_plugin.engine_core import cache_salting
+from art_vllm_plugin.engine_core import batch_stamps, cache_salting
 from art_vllm_plugin.provenance import encode_versions
 
 _MARK = "__art_patched__"
+TEST_HOOKS_ENV = "ART_TEST_HOOKS"
 
 
-def _art_state(core) -> dict[str, Any]:
+@dataclass
+class StagedInEngine:
+    lora_int_id: int
+    name: str
+    version: int
+    ranks: list[int]
+    stall_s: float  # step-loop time already spent on this update (the stage call)
+
+
+@dataclass
+class EngineSlotState:
+    versions: dict[int, int] = field(default_factory=dict)
+    updates: int = 0
+    failed_commits: int = 0
+    staged: dict[str, StagedInEngine] = field(default_factory=dict)
+    stalls_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+
+def _art_state(core) -> EngineSlotState:
     state = core.__dict__.get("_art_state")
     if state is None:
-        state = {"versions": {}, "steps": 0, "updates": 0}
-        core.__dict__["_art_state"] = state
+        state = core.__dict__["_art_state"] = EngineSlotState()
     return state
 
 
-def art_update_lora_slot(self, lora_int_id: int, lora_name: str, path: str, version: int):
+def _stale(state: EngineSlotState, lora_int_id: int, name: str, version: int) -> dict | None:
+    current = state.versions.get(lora_int_id, 0)
+    if version <= current:
+        return {
+            "ok": False,
+            "kind": "stale",
+            "error": f"stale version {version} for slot {name!r}: current is {current}",
+            "version": current,
+        }
+    return None
+
+
+def art_stage_lora_update(
+    self, token: str, lora_int_id: int, name: str, stage_dir: str, version: int
+) -> dict:
     t0 = time.perf_counter()
     state = _art_state(self)
-    current = state["versions"].get(lora_int_id, 0)
-    if version <= current:
-        raise ValueError(
-            f"stale version {version} for slot {lora_name!r}: current is {current}; "
-            "the update was not applied"
+    if (stale := _stale(state, lora_int_id, name, version)) is not None:
+        return stale
+    ranks = compat.engine_executor(self).collective_rpc(
+        "art_stage_lora_update", args=(token, lora_int_id, name, stage_dir)
+    )
+    state.staged[token] = StagedInEngine(
+        lora_int_id, name, version, list(ranks), time.perf_counter() - t0
+    )
+    return {"ok": True, "ranks": list(ranks), "stall_ms": (time.perf_counter() - t0) * 1e3}
+
+
+def art_commit_lora_update(self, token: str) -> dict:
+    t0 = time.perf_counter()
+    state = _art_state(self)
+    staged = state.staged.pop(token, None)
+    if staged is None:
+        return {"ok": False, "kind": "commit", "error": "no staged update", "restored": True}
+    if (stale := _stale(state, staged.lora_int_id, staged.name, staged.version)) is not None:
+        compat.engine_executor(self).collective_rpc("art_abort_lora_update", args=(token,))
+        return stale
+    executor = compat.engine_executor(self)
+    results = executor.collective_rpc("art_commit_lora_update", args=(token,))
+    failed = [r for r in results if not r["ok"]]
+    if failed:
+        state.failed_commits += 1
+        rolled = executor.collective_rpc("art_rollback_lora_update", args=(token,))
+        restored = all(r["ok"] for r in rolled) and all(r.get("restored") for r in failed)
+        errors = "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed)
+        errors += "".join(
+            f"; rank {r['rank']} rollback: {r['error']}" for r in rolled if not r["ok"]
         )
-    executor = self.model_executor
-    try:
-        executor.collective_rpc("art_prepare_lora_update", args=(lora_int_id, lora_name, path))
-    except Exception:
-        executor.collective_rpc("art_abort_lora_update", args=(lora_int_id,))
-        raise
-    executor.collective_rpc("art_commit_lora_update", args=(lora_int_id,))
-    state["versions"][lora_int_id] = version
-    state["updates"] += 1
-    self._weight_version = encode_versions(state["versions"])
-    resalted = cache_salting.resalt_waiting(self, lora_int_id, state["versions"])
+        return {"ok": False, "kind": "commit", "error": errors, "restored": restored}
+    state.versions[staged.lora_int_id] = staged.version
+    state.updates += 1
+    compat.set_engine_weight_label(self, encode_versions(state.versions))
+    resalted = cache_salting.resalt_waiting(self, staged.lora_int_id, state.versions)
+    commit_s = time.perf_counter() - t0
+    state.stalls_ms.append((staged.stall_s + commit_s) * 1000.0)
+    s = batch_stamps.stamps(self)
     return {
-        "step": state["steps"],
-        "engine_ms": (time.perf_counter() - t0) * 1000.0,
-        "versions": dict(state["versions"]),
+        "ok": True,
+        # Batches scheduled so far ran on the old weights; the next one on the new.
+        "step": s.scheduled,
+        "engine_ms": commit_s * 1000.0,
+        "stall_ms": (staged.stall_s + commit_s) * 1000.0,
+        "inflight_batches": compat.engine_inflight_batches(self),
+        "versions": dict(state.versions),
         "resalted_waiting": resalted,
     }
 
 
-def art_slot_state(self):
-    """Versions, completed steps, update count and waiting requests, for tests and metrics."""
+def art_abort_lora_update(self, token: str) -> bool:
+    _art_state(self).staged.pop(token, None)
+    compat.engine_executor(self).collective_rpc("art_abort_lora_update", args=(token,))
+    return True
+
+
+def art_test_inject_fault(self, kind: str, rank: int) -> bool:
+    """Test-only hook, refused unless the server runs with ART_TEST_HOOKS=1."""
+    if os.environ.get(TEST_HOOKS_ENV) != "1":
+        raise PermissionError(f"test hooks are off (set {TEST_HOOKS_ENV}=1 to enable)")
+    compat.engine_executor(self).collective_rpc("art_test_inject_fault", args=(kind, rank))
+    return True
+
+
+def art_slot_state(self) -> dict[str, Any]:
+    """Versions, steps, update count, stalls and waiting requests, for tests and metrics."""
     state = _art_state(self)
+    s = batch_stamps.stamps(self)
     return {
-        "versions": dict(state["versions"]),
-        "steps": state["steps"],
-        "updates": state["updates"],
-        "label": self._weight_version,
-        "waiting": sum(1 for _ in compat.waiting_requests(self.scheduler)),
+        "versions": dict(state.versions),
+        "steps": s.completed,
+        "scheduled": s.scheduled,
+        "batch_queue_size": compat.engine_batch_queue_size(self),
+        "updates": state.updates,
+        "failed_commits": state.failed_commits,
+        "label": compat.engine_weight_label(self),
+        "waiting": sum(1 for _ in compat.waiting_requests(compat.engine_scheduler(self))),
+        "stalls_ms": list(state.stalls_ms),
+        "mean_step_ms": s.mean_step_ms(),
     }
 
 
 def install(engine_core_cls) -> None:
-    """Add the utility methods and the step counter to vLLM's EngineCore (idempotent)."""
+    """Add the utility methods and the batch stamps to vLLM's EngineCore (idempotent)."""
     if getattr(engine_core_cls, _MARK, False):
         return
-    original_attach = engine_core_cls._attach_weight_version
+    original_init = engine_core_cls.__init__
 
-    def _attach_weight_version(self, outputs):
-        # Called exactly once per engine step, right after the step's outputs are made.
-        _art_state(self)["steps"] += 1
-        return original_attach(self, outputs)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        batch_stamps.stamps(self)  # wrap the scheduler before the first batch
 
-    engine_core_cls._attach_weight_version = _attach_weight_version
-    engine_core_cls.art_update_lora_slot = art_update_lora_slot
+    engine_core_cls.__init__ = __init__
+    batch_stamps.install(engine_core_cls)
+    engine_core_cls.art_stage_lora_update = art_stage_lora_update
+    engine_core_cls.art_commit_lora_update = art_commit_lora_update
+    engine_core_cls.art_abort_lora_update = art_abort_lora_update
+    engine_core_cls.art_test_inject_fault = art_test_inject_fault
     engine_core_cls.art_slot_state = art_slot_state
-    cache_salting.install(engine_core_cls, lambda core: _art_state(core)["versions"])
+    cache_salting.install(engine_core_cls, lambda core: _art_state(core).versions)
     setattr(engine_core_cls, _MARK, True)

@@ -1,41 +1,101 @@
-"""Worker side of an in-flight LoRA update: prepare (load + check), then commit (copy).
+"""Worker side of an in-flight LoRA update: stage off the step loop, swap at the step boundary.
 
-Added to vLLM's worker class as three methods that EngineCore calls with `collective_rpc`:
+Added to vLLM's worker class as methods that EngineCore calls with `collective_rpc`:
 
-- `art_prepare_lora_update(lora_int_id, name, path)`: loads the adapter once from disk with
-  vLLM's own loader (so vLLM's rank and module checks apply), packs it the way the manager
-  packs registered adapters, and checks that every module's A/B fits the slot's stacked
-  tensors. Nothing the model uses is touched; the result waits in `_art_pending`.
-- `art_commit_lora_update(lora_int_id)`: replaces the registered CPU copy (so a later
-  re-activation gets the new weights and nothing is re-read per step), and if the adapter is
-  active in a slot index, copies the new A/B into that same index of every module
-  (`set_lora`). Keeping the index keeps the punica mapping of running requests valid.
-- `art_abort_lora_update(lora_int_id)`: drops a prepared update.
+- `art_stage_lora_update(token, lora_int_id, name, stage_dir)`: starts a background thread
+  that reads the staged copy of the adapter with vLLM's own loader (so vLLM's checks apply),
+  packs it as registration would, checks every module's A/B against the slot's stacked
+  tensors and, on a GPU, copies it to the device on a side stream. The call returns at once;
+  the thread leaves `ready.<rank>` / `failed.<rank>` in the stage directory
+  (`art_vllm_plugin.staging`). Nothing the model uses is touched.
+- `art_commit_lora_update(token)`: the swap, between two engine steps. The staged model
+  becomes the slot's *committed* model (see below), replaces the CPU-cache entry, and, if the
+  id is active at a stacked index, is copied into that same index (`set_lora`, keeping the
+  punica mapping of running requests valid). A failure restores this worker's previous
+  weights before it answers. Never raises: returns `{"ok", "rank", "error", "restored"}`, so
+  EngineCore sees every worker's answer (a raising worker would leave the other workers'
+  answers unread in vLLM's response queues).
+- `art_rollback_lora_update(token)`: puts back the previous weights of a commit that
+  succeeded here but failed on another worker (all-or-nothing across workers).
+- `art_abort_lora_update(token)`: drops a staged update.
+
+**The committed version wins on every activation.** vLLM reloads a LoRA id from the path on
+the *request* whenever the id is not in the worker's CPU cache (LRU eviction with more slots
+than `--max-cpu-loras`, then re-activation). Requests admitted before an update carry the old
+path, so a re-load would silently serve the old weights (or fail if the old directory is
+gone). The worker therefore keeps each updated slot's committed `LoRAModel` in memory and
+vLLM's loader returns it for that id, whatever path the request carries. Cost: one CPU copy
+of each updated slot's adapter, also while it is out of vLLM's CPU cache.
 """
 
 from __future__ import annotations
 
-from art_vllm_plugin import compat
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from art_vllm_plugin import compat, staging
 
 _MARK = "__art_patched__"
+_COMMITTED_ATTR = "_art_committed"
+#: Test-only fault hook: set only when the server runs with ART_TEST_HOOKS=1 (see
+#: `art_test_inject_fault`); a commit on the named rank then fails after writing its weights.
+TEST_HOOKS_ENV = "ART_TEST_HOOKS"
 
 
 class LoraUpdateError(ValueError):
     """The adapter does not fit the slot; the message names module and tensor."""
 
 
-def _pending(worker) -> dict:
-    return worker.__dict__.setdefault("_art_pending", {})
+@dataclass
+class StagedUpdate:
+    lora_int_id: int
+    model: Any = None  # packed CPU LoRAModel once staged
+    device_weights: dict[str, tuple[Any, Any]] | None = None  # GPU: module -> (A, B)
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Undo:
+    """What a commit replaced on this worker, to put back if another worker failed."""
+
+    lora_int_id: int
+    committed: Any
+    registered: Any
+
+
+@dataclass
+class WorkerSlots:
+    staged: dict[str, StagedUpdate] = field(default_factory=dict)
+    undo: dict[str, Undo] = field(default_factory=dict)
+    fault: str | None = None
+
+
+def _slots(worker) -> WorkerSlots:
+    slots = worker.__dict__.get("_art_slots")
+    if slots is None:
+        slots = worker.__dict__["_art_slots"] = WorkerSlots()
+    return slots
+
+
+def _committed(worker_manager) -> dict[int, Any]:
+    return worker_manager.__dict__.setdefault(_COMMITTED_ATTR, {})
+
+
+def _as_list(x) -> list:
+    return x if isinstance(x, list) else [x]
 
 
 def _check_fits(manager, lora_model) -> None:
-    for module_name, module in manager.modules.items():
-        weights = manager._get_lora_layer_weights(lora_model, module_name)
+    for module_name, module in compat.lora_modules(manager).items():
+        weights = compat.module_lora_weights(manager, lora_model, module_name)
         if not weights:
             continue
-        a_list = weights.lora_a if isinstance(weights.lora_a, list) else [weights.lora_a]
-        b_list = weights.lora_b if isinstance(weights.lora_b, list) else [weights.lora_b]
-        for i, (a, b) in enumerate(zip(a_list, b_list, strict=False)):
+        for i, (a, b) in enumerate(
+            zip(_as_list(weights.lora_a), _as_list(weights.lora_b), strict=False)
+        ):
             if a is None:
                 continue
             a_slot = module.lora_a_stacked[i].shape  # [max_loras, 1, max_rank, in]
@@ -50,43 +110,193 @@ def _check_fits(manager, lora_model) -> None:
                     f"{module_name} slice {i}: lora_B shape {tuple(b.shape)} does not fit the "
                     f"slot (out_features {b_slot[2]}, rank <= {b_slot[3]})"
                 )
+            for name, t, slot_t in (
+                ("lora_A", a, module.lora_a_stacked[i]),
+                ("lora_B", b, module.lora_b_stacked[i]),
+            ):
+                if t.dtype != slot_t.dtype:
+                    raise LoraUpdateError(
+                        f"{module_name} slice {i}: {name} dtype {t.dtype} differs from the "
+                        f"slot's {slot_t.dtype}"
+                    )
 
 
-def art_prepare_lora_update(self, lora_int_id: int, lora_name: str, path: str) -> bool:
-    worker_manager = compat.worker_lora_manager(self)
-    manager = worker_manager._adapter_manager
-    request = compat.lora_request(lora_name=lora_name, lora_int_id=lora_int_id, lora_path=path)
-    lora_model = worker_manager._load_adapter(request)
-    manager._create_merged_loras_inplace(lora_model)
-    _check_fits(manager, lora_model)
-    _pending(self)[lora_int_id] = lora_model
-    return True
-
-
-def art_commit_lora_update(self, lora_int_id: int) -> int | None:
-    lora_model = _pending(self).pop(lora_int_id)
-    manager = compat.worker_lora_manager(self)._adapter_manager
-    manager._registered_adapters[lora_int_id] = lora_model
-    if lora_int_id not in manager.lora_index_to_id:
+def _to_device(manager, lora_model) -> dict[str, tuple[Any, Any]] | None:
+    """On a GPU, copy the packed weights to the device on a side stream, so the commit's
+    `set_lora` is a device-to-device copy; None on CPU (the CPU copy is already in place)."""
+    device = compat.lora_device(manager)
+    if getattr(device, "type", "cpu") != "cuda":
         return None
-    index = manager.lora_index_to_id.index(lora_int_id)
-    for module_name, module in manager.modules.items():
-        weights = manager._get_lora_layer_weights(lora_model, module_name)
-        if weights:
-            module.set_lora(index, weights.lora_a, weights.lora_b)
-        else:
+    import torch
+
+    def move(x):
+        if isinstance(x, list):
+            return [None if t is None else t.to(device, non_blocking=True) for t in x]
+        return x.to(device, non_blocking=True)
+
+    out: dict[str, tuple[Any, Any]] = {}
+    stream = torch.cuda.Stream(device=device)
+    with torch.cuda.stream(stream):
+        for name in compat.lora_modules(manager):
+            w = compat.module_lora_weights(manager, lora_model, name)
+            if w:
+                out[name] = (move(w.lora_a), move(w.lora_b))
+    stream.synchronize()
+    return out
+
+
+def _stage(worker, staged: StagedUpdate, request, stage_dir: str, rank: int) -> None:
+    try:
+        worker_manager = compat.worker_lora_manager(worker)
+        manager = compat.adapter_model_manager(worker_manager)
+        model = _ORIGINAL_LOAD["fn"](worker_manager, request)  # the staged files, never cached
+        compat.pack_adapter(manager, model)
+        _check_fits(manager, model)
+        staged.device_weights = _to_device(manager, model)
+        staged.model = model
+        ok, message = True, ""
+    except BaseException as exc:  # reported through the marker; the worker keeps serving
+        # vLLM's adapter checks and ours raise ValueError: the adapter is at fault. Anything
+        # else (memory, device, a bug) is the engine's problem, not the adapter's.
+        kind = "adapter" if isinstance(exc, ValueError) else "engine"
+        staged.error = f"{type(exc).__name__}: {exc}"
+        message = f"{kind}\n{staged.error}"
+        ok = False
+    staged.done.set()
+    staging.mark(stage_dir, rank, ok, message)
+
+
+def art_stage_lora_update(
+    self, token: str, lora_int_id: int, lora_name: str, stage_dir: str
+) -> int:
+    slots = _slots(self)
+    slots.undo.clear()  # the previous update is final once the next one starts
+    rank = compat.worker_rank(self)
+    request = compat.lora_request(lora_name=lora_name, lora_int_id=lora_int_id, lora_path=stage_dir)
+    staged = StagedUpdate(lora_int_id)
+    slots.staged[token] = staged
+    threading.Thread(
+        target=_stage,
+        args=(self, staged, request, stage_dir, rank),
+        name=f"art-stage-{lora_name}",
+        daemon=True,
+    ).start()
+    return rank
+
+
+def _write_slot(manager, index: int, lora_model, device_weights) -> None:
+    for module_name, module in compat.lora_modules(manager).items():
+        weights = compat.module_lora_weights(manager, lora_model, module_name)
+        if not weights:
             module.reset_lora(index)
+            continue
+        a, b = (device_weights or {}).get(module_name, (weights.lora_a, weights.lora_b))
+        module.set_lora(index, a, b)
+
+
+def _install_version(worker, lora_int_id: int, committed, registered, device_weights=None):
+    """Make `committed` the id's weights everywhere on this worker (None: forget the id)."""
+    worker_manager = compat.worker_lora_manager(worker)
+    manager = compat.adapter_model_manager(worker_manager)
+    if committed is None:
+        _committed(worker_manager).pop(lora_int_id, None)
+    else:
+        _committed(worker_manager)[lora_int_id] = committed
+    if registered is not None:
+        compat.replace_registered_adapter(manager, lora_int_id, registered)
+    index = compat.lora_slot_index(manager, lora_int_id)
+    if index is not None and registered is not None:
+        _write_slot(manager, index, registered, device_weights)
     return index
 
 
-def art_abort_lora_update(self, lora_int_id: int) -> bool:
-    return _pending(self).pop(lora_int_id, None) is not None
+def art_commit_lora_update(self, token: str) -> dict:
+    slots = _slots(self)
+    rank = compat.worker_rank(self)
+    staged = slots.staged.pop(token, None)
+    if staged is None or staged.model is None:
+        error = (staged and staged.error) or "nothing staged for this update"
+        return {"ok": False, "rank": rank, "error": error, "restored": True}
+    lid = staged.lora_int_id
+    worker_manager = compat.worker_lora_manager(self)
+    manager = compat.adapter_model_manager(worker_manager)
+    undo = Undo(lid, _committed(worker_manager).get(lid), compat.registered_adapter(manager, lid))
+    try:
+        registered = staged.model if undo.registered is not None else None
+        index = _install_version(self, lid, staged.model, registered, staged.device_weights)
+        if slots.fault == "commit":
+            slots.fault = None
+            raise RuntimeError(f"injected commit failure on rank {rank} (test hook)")
+    except Exception as exc:
+        try:
+            _install_version(self, lid, undo.committed, undo.registered)
+            restored = True
+        except Exception:
+            restored = False
+        return {
+            "ok": False,
+            "rank": rank,
+            "error": f"{type(exc).__name__}: {exc}",
+            "restored": restored,
+        }
+    slots.undo[token] = undo
+    return {"ok": True, "rank": rank, "index": index}
+
+
+def art_rollback_lora_update(self, token: str) -> dict:
+    rank = compat.worker_rank(self)
+    undo = _slots(self).undo.pop(token, None)
+    if undo is None:
+        return {"ok": True, "rank": rank, "restored": False}  # nothing was committed here
+    try:
+        _install_version(self, undo.lora_int_id, undo.committed, undo.registered)
+    except Exception as exc:
+        return {"ok": False, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
+    return {"ok": True, "rank": rank, "restored": True}
+
+
+def art_abort_lora_update(self, token: str) -> bool:
+    return _slots(self).staged.pop(token, None) is not None
+
+
+def art_test_inject_fault(self, kind: str, rank: int) -> bool:
+    """Test-only (ART_TEST_HOOKS=1): the next commit on `rank` fails after its writes."""
+    if os.environ.get(TEST_HOOKS_ENV) != "1":
+        return False
+    if compat.worker_rank(self) == rank:
+        _slots(self).fault = kind
+    return True
+
+
+_ORIGINAL_LOAD: dict[str, Any] = {}
+
+
+def _install_committed_loader(manager_cls) -> None:
+    """vLLM's adapter loader returns the committed model for an updated id (see module doc)."""
+    original = compat.original_load_adapter(manager_cls)
+    _ORIGINAL_LOAD["fn"] = original
+
+    def _load_adapter(self, lora_request):
+        committed = self.__dict__.get(_COMMITTED_ATTR)
+        if committed:
+            model = committed.get(lora_request.lora_int_id)
+            if model is not None:
+                return model
+        return original(self, lora_request)
+
+    compat.set_load_adapter(manager_cls, _load_adapter)
 
 
 def install(worker_cls) -> None:
     if getattr(worker_cls, _MARK, False):
         return
-    worker_cls.art_prepare_lora_update = art_prepare_lora_update
+    worker_cls.art_stage_lora_update = art_stage_lora_update
     worker_cls.art_commit_lora_update = art_commit_lora_update
+    worker_cls.art_rollback_lora_update = art_rollback_lora_update
     worker_cls.art_abort_lora_update = art_abort_lora_update
+    worker_cls.art_test_inject_fault = art_test_inject_fault
+    manager_cls = compat.worker_lora_manager_class()
+    if not getattr(manager_cls, _MARK, False):
+        _install_committed_loader(manager_cls)
+        setattr(manager_cls, _MARK, True)
     setattr(worker_cls, _MARK, True)
