@@ -73,3 +73,50 @@ def padding_is_zero(
 
 def zero_mask_of(tensor: torch.Tensor) -> torch.Tensor | None:
     return getattr(tensor, ZERO_MASK_ATTR, None)
+
+
+def padding_mask(
+    shape: tuple[int, ...], logical: tuple[int, ...], zero_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Bool tensor of `shape`: True on every element that must stay zero."""
+    mask = torch.ones(shape, dtype=torch.bool)
+    mask[tuple(slice(0, s) for s in logical)] = False
+    if zero_mask is not None:
+        mask |= zero_mask.to("cpu")
+    return mask
+
+
+def zero_optimizer_padding_(
+    optimizer, param: torch.nn.Parameter, zero_mask: torch.Tensor | None = None
+) -> None:
+    """Zero `param`'s padded region in everything `optimizer` keeps for it.
+
+    A plain torch optimizer keeps per-parameter state tensors of the parameter's shape (Adam
+    moments). Megatron's `DistributedOptimizer` (or a `ChainedOptimizer` of them) keeps, on
+    each DP rank, a flat shard of the parameter's fp32 main copy, of its gradient and of
+    every moment: those shards are masked with the matching slice of the flattened padding.
+    """
+    logical = logical_shape(param)
+    if type(optimizer).__module__.startswith("megatron."):
+        from art_megatron_ext import compat
+
+        for part in compat.chained_parts(optimizer):
+            if not compat.is_distributed_optimizer(part):
+                continue
+            if not compat.distopt_owns(part, param):
+                continue  # no shard of this parameter on this DP rank
+            start, end = compat.distopt_param_shard(part, param)
+            flat = padding_mask(tuple(param.shape), logical, zero_mask).view(-1)[start:end]
+            if not bool(flat.any()):
+                continue
+            with torch.no_grad():
+                for value in compat.distopt_get_param_state(part, param).values():
+                    if torch.is_tensor(value) and value.numel() == end - start:
+                        value.masked_fill_(flat.to(value.device), 0)
+                        if value.grad is not None and value.grad.shape == value.shape:
+                            value.grad.masked_fill_(flat.to(value.device), 0)
+        return
+    state = getattr(optimizer, "state", {})
+    for value in state.get(param, {}).values():
+        if torch.is_tensor(value) and value.shape == param.shape:
+            zero_padding_(value, logical, zero_mask)

@@ -114,6 +114,7 @@ def restore_optimizer_state(
     for part, part_saved in zip(parts, saved["parts"], strict=True):
         if part_saved["state_dict"] is not None:
             part.load_state_dict(part_saved["state_dict"])  # allocates the moment tensors
+            _unshare_step_tensors(part.optimizer)
         for model_param in compat.distopt_model_params(part):
             tensors = dict(part_saved["param_state"][names[id(model_param)]])
             tensors.pop("shard")
@@ -124,6 +125,24 @@ def restore_optimizer_state(
                     f"{source} lacks optimizer state {missing} for {names[id(model_param)]}"
                 )
             compat.distopt_set_param_state(part, model_param, tensors)
+
+
+def _unshare_step_tensors(inner: Any) -> None:
+    """Give every parameter its own Adam `step` tensor.
+
+    megatron-core 0.19.2 `DistributedOptimizer.load_state_dict` (torch-optimizer fallback,
+    no TE/Apex: optimizer/distrib_optimizer.py, `s["step"] = step` in the loop over states)
+    puts one tensor object into every parameter's state, and torch keeps `step` uncopied
+    when loading. torch's Adam then increments that shared tensor once per parameter per
+    step, so every later bias correction is wrong. Separate copies restore the invariant.
+    """
+    seen: set[int] = set()
+    for state in inner.state.values():
+        step = state.get("step")
+        if torch.is_tensor(step):
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(step))
 
 
 def _check_layout(parts: list[Any], saved: list[dict], names: dict[int, str], source: str) -> None:
