@@ -5,17 +5,30 @@ of keyword arguments and return tuples; this class accepts exactly those, valida
 input once with an error naming the bad argument, and composes the backend's steps
 (preprocess, dispatch, permute / unpermute, combine). Backends (`hybridep.backends`) only
 move data. See docs/hybridep.md for the semantics and the handle's fields.
+
+Growth: Megatron sizes the buffer from the first batch it sees and expects a later, larger
+dispatch to reallocate it (as DeepEP's buffer does). A dispatch with more tokens than
+`max_num_of_tokens_per_rank` grows the buffer on every rank at that call (`backend.grow`,
+collective) and logs it once. In blocking mode the ranks first exchange their token counts
+(one tiny all-gather; the mode synchronizes anyway), so they agree: uneven counts raise on
+every rank before anything is reallocated, even counts grow every rank to the same size. In
+static-budget mode nothing may be read on the host, so the decision follows the local count,
+which the contract requires to be equal on every rank.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hybridep.backends import BufferSpec, select_backend
 from hybridep.config import HybridEPConfig
 from hybridep.handle import DispatchHandle
+
+logger = logging.getLogger(__name__)
 
 
 def _as_int(value: Any, name: str) -> int:
@@ -34,7 +47,8 @@ class Buffer:
     Args:
         group: the `torch.distributed` process group (Megatron passes its TPxEP group).
         hidden_dim: H, the token width every call must have.
-        max_num_of_tokens_per_rank: the most tokens (T) one rank may pass per call.
+        max_num_of_tokens_per_rank: the most tokens (T) one rank expects to pass per call; a
+            larger dispatch grows the buffer collectively (logged) instead of failing.
         num_local_experts: L, experts owned by each rank.
         use_fp8: FP8 dispatch; not supported (Megatron 0.19 asserts it off too).
         backend: "auto" (CUDA kernels where they can run, else torch), "torch", or "cuda"
@@ -87,6 +101,7 @@ class Buffer:
         spec = BufferSpec(hidden_dim, max_num_of_tokens_per_rank, num_local_experts, self.config)
         self.backend = select_backend(backend, group)(group, spec)
         self.world_size = self.backend.world_size
+        self._closed = False
 
     @property
     def num_experts(self) -> int:
@@ -94,10 +109,63 @@ class Buffer:
         return self.world_size * self.num_local_experts
 
     def close(self) -> None:
-        """Collective: release the backend's registered memory, if it holds any."""
+        """Collective: release the backend's registered memory, if it holds any. Idempotent;
+        the buffer refuses calls afterwards. (A CUDA backend dropped without it is released
+        locally by a finalizer.)"""
+        if self._closed:
+            return
+        self._closed = True
         close = getattr(self.backend, "close", None)
         if close is not None:
             close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("hybridep.Buffer: the buffer was closed; build a new one")
+
+    # -- capacity ---------------------------------------------------------------------------
+    def _token_counts(self, tokens: int) -> list[int]:
+        """Every rank's token count (collective; reads the result on the host)."""
+        on_gpu = dist.get_backend(self.group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu"
+        mine = torch.tensor([tokens], dtype=torch.int64, device=device)
+        every = mine.new_empty(self.world_size)
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        return every.tolist()
+
+    def _make_room(self, tokens: int, static: bool) -> None:
+        """Grow collectively when this dispatch brings more tokens than the buffer holds.
+
+        Blocking: the counts are exchanged first; uneven counts raise on every rank (nothing
+        reallocated), even ones grow every rank alike. Static budget: no host read is
+        allowed, so the local count decides (equal on every rank by contract; uneven counts
+        then set the overflow flag in preprocessing).
+        """
+        needed = tokens
+        if not static:
+            counts = self._token_counts(tokens)
+            needed = max(counts)
+            if any(c != tokens for c in counts):
+                raise ValueError(
+                    f"hybridep: ranks passed different token counts {counts}; every rank "
+                    "must dispatch the same number of tokens (pad them, e.g. Megatron's "
+                    "moe_hybridep_pad_uneven_dispatch_inputs)"
+                )
+        if needed <= self.max_num_of_tokens_per_rank:
+            return
+        chunk = self.config.token_chunk
+        grown = (needed + chunk - 1) // chunk * chunk
+        logger.warning(
+            "hybridep.Buffer: a dispatch of %d tokens per rank exceeds "
+            "max_num_of_tokens_per_rank=%d; growing the buffer to %d on every rank (a "
+            "collective reallocation; build the buffer with the largest size up front to "
+            "avoid it)",
+            needed,
+            self.max_num_of_tokens_per_rank,
+            grown,
+        )
+        self.backend.grow(grown)
+        self.max_num_of_tokens_per_rank = grown
 
     # -- validation ------------------------------------------------------------------------
     def _check_hidden(self, hidden: torch.Tensor, rows: int | None, what: str) -> None:
@@ -118,13 +186,8 @@ class Buffer:
             )
 
     def _check_tokens(self, hidden: torch.Tensor) -> None:
+        self._check_open()
         self._check_hidden(hidden, None, "tokens")
-        if hidden.shape[0] > self.max_num_of_tokens_per_rank:
-            raise ValueError(
-                f"hybridep.Buffer: {hidden.shape[0]} tokens on this rank exceed "
-                f"max_num_of_tokens_per_rank={self.max_num_of_tokens_per_rank}; build the "
-                "buffer with a larger maximum"
-            )
 
     def _check_routing(self, hidden: torch.Tensor, routing_map: Any, probs: Any) -> None:
         tokens, experts = hidden.shape[0], self.num_experts
@@ -177,6 +240,7 @@ class Buffer:
                 f"from the buffer's num_local_experts={self.num_local_experts}"
             )
         self._check_routing(hidden, routing_map, probs)
+        self._make_room(hidden.shape[0], static=budget is not None)
         return self.backend.preprocess(
             routing_map, pad_multiple=pad_multiple, num_permuted_tokens=budget
         )
@@ -263,6 +327,7 @@ class Buffer:
         comes back as `[T, E]` fp32, zero where not routed or dropped.
         """
         del fuse_unpermute_combine
+        self._check_open()
         handle = self._check_handle(handle)
         pad = None if pad_multiple is None else _as_int(pad_multiple, "pad_multiple")
         if pad is not None and pad != handle.pad_multiple:
@@ -321,6 +386,7 @@ class Buffer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Inverse of `dispatch`: receive rows `[N, H]` -> `[T, H]` (fp32 sum over ranks in
         rank order, rounded once); `probs [N, L]` -> `[T, E]`."""
+        self._check_open()
         handle = self._check_handle(handle)
         self._check_hidden(hidden, handle.num_recv_rows, "receive rows of the handle")
         if probs is not None and tuple(probs.shape) != (

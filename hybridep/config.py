@@ -19,8 +19,9 @@ class HybridEPConfig:
     """Launch tunables of the CUDA backend; see docs/hybridep.md for the table.
 
     Attributes:
-        num_sms_dispatch: CTAs (one per SM) of the persistent dispatch kernel.
-        num_sms_combine: CTAs of the persistent combine kernel.
+        num_sms_dispatch: SMs the dispatch kernel spreads over (its grid is this many SMs
+            times the blocks one SM holds); the other SMs stay free for overlapping compute.
+        num_sms_combine: SMs of the combine kernel, likewise.
         num_sms_preprocessing: CTAs of the routing-map scan (must not exceed the SM count:
             its decoupled look-back needs every earlier block resident).
         num_blocks_permute: blocks of the permute kernel (0 = one per SM).
@@ -28,6 +29,10 @@ class HybridEPConfig:
         num_stages_dispatch: depth of the shared-memory token ring in dispatch.
         num_stages_combine: depth of the shared-memory token ring in combine.
         token_chunk: tokens per chunk; the maximum tokens per rank is rounded up to it.
+        barrier_timeout_s: how long a cross-rank barrier of the CUDA backend waits for a late
+            peer (e.g. one still writing a checkpoint) before the call fails naming the
+            missing rank. The buffer is unusable after that (rebuild it); the CUDA context
+            and the process survive.
     """
 
     num_sms_dispatch: int = 16
@@ -38,9 +43,17 @@ class HybridEPConfig:
     num_stages_dispatch: int = 10
     num_stages_combine: int = 10
     token_chunk: int = TOKEN_CHUNK
+    barrier_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        timeout = self.barrier_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(
+                f"HybridEPConfig.barrier_timeout_s must be a number > 0, got {timeout!r}"
+            )
         for f in fields(self):
+            if f.name == "barrier_timeout_s":
+                continue
             value = getattr(self, f.name)
             minimum = 0 if f.name.startswith("num_blocks_") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

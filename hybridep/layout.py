@@ -27,14 +27,18 @@ class ExpertLayout(NamedTuple):
 def rank_need(global_map: torch.Tensor, num_experts_per_rank: int) -> torch.Tensor:
     """bool [W, T, W]: does token t of source s use any expert of destination d."""
     world, tokens, experts = global_map.shape
-    return global_map.view(world, tokens, experts // num_experts_per_rank, -1).any(-1)
+    # explicit sizes: with T = 0 a -1 dimension would be ambiguous
+    per_rank = num_experts_per_rank
+    return global_map.view(world, tokens, experts // per_rank, per_rank).any(-1)
 
 
 def local_expert_map(global_map: torch.Tensor, rank: int, num_experts_per_rank: int):
     """bool [W*T, L]: the routing bits of this rank's experts for every slot."""
     lo = rank * num_experts_per_rank
     world, tokens, _ = global_map.shape
-    return global_map[:, :, lo : lo + num_experts_per_rank].reshape(world * tokens, -1)
+    return global_map[:, :, lo : lo + num_experts_per_rank].reshape(
+        world * tokens, num_experts_per_rank
+    )
 
 
 def expert_positions(

@@ -135,7 +135,7 @@ def combine_rows(
     slot = torch.where(skip, world * num_tokens, token_of_row * world + rank_of_row)
     scattered = probs.new_zeros((world * num_tokens + 1, probs.shape[1]))
     scattered.index_copy_(0, slot, probs)
-    return out, scattered[:-1].view(num_tokens, -1)
+    return out, scattered[:-1].view(num_tokens, world * probs.shape[1])  # T = 0: no -1
 
 
 def _combine_rows_dense(
@@ -153,4 +153,4 @@ def _combine_rows_dense(
     need = torch.zeros(world * num_tokens + 1, dtype=torch.bool, device=rows.device)
     need[dense_index] = True
     need_own = need[:-1].view(world, num_tokens).t()
-    return reduce_over_ranks(dense[:-1].view(world, num_tokens, -1), need_own)
+    return reduce_over_ranks(dense[:-1].view(world, num_tokens, rows.shape[1]), need_own)

@@ -10,7 +10,22 @@
 
 #include "art_abi.h"
 
-#define ART_HYBRIDEP_ABI_VERSION 1u
+#define ART_HYBRIDEP_ABI_VERSION 2u
+
+// Zero rows: a pointer may be null exactly when its array has no element (PyTorch hands out
+// null data pointers for 0-byte CUDA tensors), and whether probs travel is an explicit flag,
+// not inferred from pointers. A call with nothing to do returns ART_OK before it touches the
+// device.
+//
+// Status block: int32[ART_HEP_STATUS_WORDS] in mapped (pinned) host memory, written by the
+// device and read by the host without a synchronization. A nonzero word 0 is sticky: every
+// later cross-rank kernel of the buffer returns at once, so a late peer fails the call (the
+// host raises naming the missing rank) instead of trapping and killing the CUDA context.
+enum ArtHepStatus : int32_t {
+  ART_HEP_STATUS_OK = 0,
+  ART_HEP_STATUS_BARRIER_TIMEOUT = 1,  // word 1: first missing rank, word 2: barrier epoch
+};
+#define ART_HEP_STATUS_WORDS 4
 
 // Preprocessing of one dispatch on one rank, from the all-gathered routing map.
 struct ArtHepLayoutParams {
@@ -44,6 +59,8 @@ struct ArtHepPermuteParams {
   int64_t hidden_dim;         // H
   int32_t num_local_experts;  // L
   int32_t max_blocks;         // grid cap (HybridEPConfig.num_blocks_(un)permute); 0 = one per row
+  int32_t with_probs;         // 1: probs move too (recv_probs / probs below are used)
+  int32_t reserved;           // 0
   const int32_t* positions;   // [N, L] (the handle's dense_to_expert_map)
   const void* recv_hidden;    // permute in [N, H]      | unpermute out [N, H]
   const float* recv_probs;    // permute in [N, L] / nullptr | unpermute out [N, L] / nullptr
@@ -65,24 +82,32 @@ struct ArtHepIntraParams {
   int32_t num_local_experts;  // L
   int64_t hidden_dim;         // H
   int32_t static_budget;      // 1: every own slot row is written (zeros where not routed)
-  int32_t max_blocks;         // grid cap (HybridEPConfig.num_sms_dispatch/combine); 0 = none
+  int32_t num_sms;            // SM budget (HybridEPConfig.num_sms_dispatch/combine); 0 = all
+  int32_t with_probs;         // 1: prob slices move too
+  int32_t reserved;           // 0
   const int32_t* sparse_to_dense;  // [T, W]
   void* const* peer_tokens;   // device array [W]: each rank's receive-row token area
   void* const* peer_probs;    // device array [W]: each rank's receive-row prob area [rows, L]
   const void* hidden;         // dispatch in [T, H]      | combine out [T, H]
-  const float* probs;         // dispatch in [T, E] / nullptr | combine out [T, E] / nullptr
+  const float* probs;         // dispatch in [T, E] | combine out [T, E] (with_probs)
+  const int32_t* status;      // the buffer's status block: kernels return when word 0 != 0
   void* stream;
 };
 
-// Cross-rank barrier on a counter in rank 0's registered buffer (monotonic, never reset).
+// Cross-rank barrier: rank r stores its new epoch into arrivals[r] (an array in rank 0's
+// registered block) and waits until every arrivals[i] reaches it (monotonic, never reset).
+// On timeout it records the first missing rank in `status` and returns (no trap).
 struct ArtHepBarrierParams {
   uint32_t abi_version;
   uint32_t struct_size;
   int32_t device;
   int32_t world_size;
-  unsigned long long* counter;  // rank 0's counter, mapped into this process
+  int32_t rank;
+  int32_t reserved;             // 0
+  unsigned long long* arrivals; // rank 0's arrivals[W], mapped into this process
   unsigned long long* epoch;    // this rank's own epoch word (device memory it alone uses)
-  int64_t timeout_cycles;       // clock64 budget of the spin; on expiry the kernel traps
+  int64_t timeout_ns;           // %globaltimer budget of the spin (HybridEPConfig)
+  int32_t* status;              // the buffer's status block (mapped host memory)
   void* stream;
 };
 
@@ -99,5 +124,10 @@ ART_API int art_hybridep_free(int32_t device, void* ptr);
 ART_API int art_hybridep_ipc_handle(int32_t device, void* ptr, uint8_t* handle64);
 ART_API int art_hybridep_ipc_open(int32_t device, const uint8_t* handle64, void** ptr);
 ART_API int art_hybridep_ipc_close(int32_t device, void* ptr);
+// Elements per access the (un)permute / combine kernels use for rows of `hidden_dim` elements
+// of `dtype` between `a` and `b`: 16 bytes' worth when the row pitch and both base pointers
+// are 16-byte aligned, else 1. Host-only (no device call), so CPU CI checks it.
+ART_API int32_t art_hybridep_vector_width(int32_t dtype, int64_t hidden_dim, const void* a,
+                                          const void* b);
 ART_API int art_hybridep_memcpy_d2d(int32_t device, void* dst, const void* src, int64_t bytes,
                                     void* stream);

@@ -14,6 +14,22 @@ enum Dtype : int32_t { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
 
 inline int dtype_bytes(int32_t dtype) { return dtype == kFp32 ? 4 : 2; }
 
+__host__ __device__ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Elements per 16-byte access for rows of `hidden` elements between `a` and `b`, or 1 when
+// the row pitch or a base pointer is not 16-byte aligned (see art_hybridep_vector_width).
+inline int vector_width(int32_t dtype, int64_t hidden, const void* a, const void* b) {
+  const int bytes = dtype_bytes(dtype);
+  const bool ok = (hidden * bytes) % 16 == 0 && aligned16(a) && aligned16(b);
+  return ok ? 16 / bytes : 1;
+}
+
+// A cross-rank kernel skips its work once the buffer's status block reports a failure
+// (a barrier that timed out): peers are not where the protocol expects them.
+__device__ inline bool failed(const int32_t* status) {
+  return status != nullptr && *reinterpret_cast<const volatile int32_t*>(status) != 0;
+}
+
 // fp32 accumulation and one round-to-nearest-even store, as torch's `.to(dtype)` does.
 template <typename T> struct Cvt;
 template <> struct Cvt<__nv_bfloat16> {
@@ -65,6 +81,20 @@ __device__ inline void zero_row(char* dst, int64_t bytes, int lane, int lanes) {
 inline int grid_for(int64_t work, int per_block, int max_blocks = 65535) {
   int64_t blocks = (work + per_block - 1) / per_block;
   return static_cast<int>(blocks < max_blocks ? (blocks < 1 ? 1 : blocks) : max_blocks);
+}
+
+// Grid of a kernel that spreads over an SM budget: `num_sms` SMs (0 or more than the device
+// has = all of them) times the blocks of `threads` threads one SM holds, but no more blocks
+// than there is work for.
+template <typename Kernel>
+int grid_for_sms(Kernel kernel, int threads, int32_t num_sms, int64_t work, int per_block) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
+  const int budget = (num_sms > 0 && num_sms < sms ? num_sms : sms) * (per_sm > 0 ? per_sm : 1);
+  const int64_t needed = (work + per_block - 1) / per_block;
+  return static_cast<int>(needed < budget ? (needed < 1 ? 1 : needed) : budget);
 }
 
 // A kernel's grid: enough blocks for the work, capped by the caller's SM budget (0 = none).

@@ -7,7 +7,8 @@
 // slot row is written, zeros where not routed (the reference's fixed-size exchange).
 // Combine: each rank pulls its tokens' rows back from every peer and sums them in fp32 in rank
 // order, rounding once; prob slices are scattered (rank slices are disjoint).
-#include <cstdio>
+// Grids are sized from the SM budget of HybridEPConfig (num_sms_dispatch / num_sms_combine)
+// times the blocks one SM holds, so the default leaves the other SMs to overlapping compute.
 #include <cstring>
 
 #include "hybridep_common.cuh"
@@ -15,10 +16,11 @@
 namespace art_hep {
 namespace {
 
-__global__ void dispatch_kernel(const int32_t* sparse, void* const* peer_tokens,
-                                void* const* peer_probs, const char* hidden, const float* probs,
-                                int world, int rank, int tokens, int L, int64_t row_bytes,
-                                int is_static) {
+__global__ void dispatch_kernel(
+    const int32_t* sparse, void* const* peer_tokens, void* const* peer_probs, const char* hidden,
+    const float* probs, int world, int rank, int tokens, int L, int64_t row_bytes, int is_static,
+    const int32_t* status) {
+  if (failed(status)) return;
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   const int64_t pairs = int64_t(tokens) * world;
@@ -43,28 +45,76 @@ __global__ void dispatch_kernel(const int32_t* sparse, void* const* peer_tokens,
   }
 }
 
-template <typename T, int VEC>
-__global__ void combine_kernel(const int32_t* sparse, void* const* peer_tokens,
-                               void* const* peer_probs, T* out, float* out_probs, int world,
-                               int tokens, int L, int64_t H) {
-  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+constexpr int kCombineThreads = 512;  // 16 warps; one warp per token
+constexpr int kRankBatch = 8;         // peer rows loaded together before they are summed
+
+// Combine: one warp per own token (tokens spread over every warp of the grid). For each
+// 16-byte column chunk a lane first loads the chunk of every peer row of the token (up to
+// kRankBatch loads in flight, all ranks at once for an NVLink domain of 8), then sums them
+// in rank order in fp32 and stores once: the summation order of hybridep/movement.py, with
+// the ranks' loads overlapped instead of serialized. Rows whose pitch or base is not 16-byte
+// aligned take the one-element path.
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(
+    const int32_t* sparse, void* const* peer_tokens, void* const* peer_probs, T* out,
+    float* out_probs, int world, int tokens, int L, int64_t H, int vec_ok,
+    const int32_t* status) {
+  if (failed(status)) return;
+  constexpr int kVec = 16 / sizeof(T);
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  // every peer region must be aligned too (they are: 256-byte offsets in a cudaMalloc block)
+  bool vec = vec_ok != 0;
+  for (int d = 0; d < world && vec; ++d) vec = aligned16(peer_tokens[d]);
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; t < tokens;
+       t += warps) {
     const int32_t* rows = sparse + t * world;
-    for (int64_t h0 = int64_t(threadIdx.x) * VEC; h0 < H; h0 += int64_t(blockDim.x) * VEC) {
-      float acc[VEC];
+    if (vec) {
+      const int64_t chunks = H / kVec;
+      for (int64_t c = lane; c < chunks; c += 32) {
+        float acc[kVec];
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
-      for (int d = 0; d < world; ++d) {
-        const int32_t r = rows[d];
-        if (r < 0) continue;
-        const T* src = static_cast<const T*>(peer_tokens[d]) + int64_t(r) * H + h0;
+        for (int v = 0; v < kVec; ++v) acc[v] = 0.0f;
+        for (int d0 = 0; d0 < world; d0 += kRankBatch) {
+          uint4 raw[kRankBatch];
+          bool have[kRankBatch];
 #pragma unroll
-        for (int v = 0; v < VEC; ++v) acc[v] = __fadd_rn(acc[v], Cvt<T>::load(src[v]));
+          for (int j = 0; j < kRankBatch; ++j) {
+            const int d = d0 + j;
+            const int32_t r = d < world ? rows[d] : -1;
+            have[j] = r >= 0;
+            if (have[j]) {
+              raw[j] = reinterpret_cast<const uint4*>(static_cast<const T*>(peer_tokens[d]) +
+                                                      int64_t(r) * H)[c];
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < kRankBatch; ++j) {
+            if (!have[j]) continue;
+            const T* e = reinterpret_cast<const T*>(&raw[j]);
+#pragma unroll
+            for (int v = 0; v < kVec; ++v) acc[v] = __fadd_rn(acc[v], Cvt<T>::load(e[v]));
+          }
+        }
+        uint4 packed;
+        T* e = reinterpret_cast<T*>(&packed);
+#pragma unroll
+        for (int v = 0; v < kVec; ++v) e[v] = Cvt<T>::store(acc[v]);
+        reinterpret_cast<uint4*>(out + t * H)[c] = packed;
       }
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) out[t * H + h0 + v] = Cvt<T>::store(acc[v]);
+    } else {
+      for (int64_t h = lane; h < H; h += 32) {
+        float acc = 0.0f;
+        for (int d = 0; d < world; ++d) {
+          const int32_t r = rows[d];
+          if (r >= 0)
+            acc = __fadd_rn(acc, Cvt<T>::load(static_cast<const T*>(peer_tokens[d])[r * H + h]));
+        }
+        out[t * H + h] = Cvt<T>::store(acc);
+      }
     }
     if (out_probs) {
-      for (int i = threadIdx.x; i < world * L; i += blockDim.x) {
+      for (int i = lane; i < world * L; i += 32) {
         const int d = i / L;
         const int32_t r = rows[d];
         out_probs[t * world * L + i] =
@@ -76,52 +126,68 @@ __global__ void combine_kernel(const int32_t* sparse, void* const* peer_tokens,
 
 template <typename T>
 void launch_combine(const ArtHepIntraParams* p, cudaStream_t stream) {
-  constexpr int kVec = 16 / sizeof(T);
-  const int blocks = capped_grid(p->num_tokens, 1, p->max_blocks);
+  constexpr int kWarps = kCombineThreads / 32;
+  const int blocks = grid_for_sms(combine_kernel<T>, kCombineThreads, p->num_sms, p->num_tokens,
+                                  kWarps);
   auto* out = static_cast<T*>(const_cast<void*>(p->hidden));
-  auto* out_probs = const_cast<float*>(p->probs);
-  if (p->hidden_dim % kVec == 0) {
-    combine_kernel<T, kVec><<<blocks, 128, 0, stream>>>(p->sparse_to_dense, p->peer_tokens,
-                                                        p->peer_probs, out, out_probs,
-                                                        p->world_size, p->num_tokens,
-                                                        p->num_local_experts, p->hidden_dim);
-  } else {
-    combine_kernel<T, 1><<<blocks, 128, 0, stream>>>(p->sparse_to_dense, p->peer_tokens,
-                                                     p->peer_probs, out, out_probs, p->world_size,
-                                                     p->num_tokens, p->num_local_experts,
-                                                     p->hidden_dim);
-  }
+  auto* out_probs = p->with_probs ? const_cast<float*>(p->probs) : nullptr;
+  const int vec_ok = vector_width(p->dtype, p->hidden_dim, out, out) > 1;
+  combine_kernel<T><<<blocks, kCombineThreads, 0, stream>>>(
+      p->sparse_to_dense, p->peer_tokens, p->peer_probs, out, out_probs, p->world_size,
+      p->num_tokens, p->num_local_experts, p->hidden_dim, vec_ok, p->status);
 }
 
-__global__ void barrier_kernel(unsigned long long* counter, unsigned long long* epoch, int world,
-                               long long timeout_cycles) {
+__device__ inline unsigned long long global_ns() {
+  unsigned long long ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+}
+
+// Every rank posts its new epoch in arrivals[rank] (rank 0's block) and waits for all of
+// them. A rank missing after `timeout_ns` is recorded in the status block and the kernel
+// returns without advancing the epoch; later cross-rank kernels of the buffer then skip
+// their work and the host raises naming that rank (the CUDA context survives).
+__global__ void barrier_kernel(unsigned long long* arrivals, unsigned long long* epoch, int world,
+                               int rank, long long timeout_ns, int32_t* status) {
+  if (failed(status)) return;
   __threadfence_system();  // this rank's earlier writes (into peers) are visible first
-  const unsigned long long target = (*epoch + 1) * static_cast<unsigned long long>(world);
-  atomicAdd_system(counter, 1ull);
-  const long long start = clock64();
-  while (true) {
-    unsigned long long seen;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(seen) : "l"(counter) : "memory");
-    if (seen >= target) break;
-    if (clock64() - start > timeout_cycles) {
-      printf("art_hybridep barrier timed out: counter %llu, waiting for %llu\n", seen, target);
-      __trap();
+  const unsigned long long target = *epoch + 1;
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(arrivals + rank), "l"(target)
+               : "memory");
+  const unsigned long long start = global_ns();
+  for (int r = 0; r < world; ++r) {
+    while (true) {
+      unsigned long long seen;
+      asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(seen) : "l"(arrivals + r)
+                   : "memory");
+      if (seen >= target) break;
+      if (static_cast<long long>(global_ns() - start) > timeout_ns) {
+        volatile int32_t* s = status;
+        s[1] = r;
+        s[2] = static_cast<int32_t>(target);
+        __threadfence_system();
+        s[0] = ART_HEP_STATUS_BARRIER_TIMEOUT;
+        __threadfence_system();
+        return;
+      }
+      __nanosleep(256);
     }
-    __nanosleep(256);
   }
-  *epoch += 1;
+  *epoch = target;
   __threadfence_system();
 }
 
+// Scalars first; with no own token there is nothing to move (arrays may then be null).
 int check_intra(const ArtHepIntraParams* p) {
   ART_CHECK_PARAMS(p, ART_HYBRIDEP_ABI_VERSION);
   if (p->world_size < 1 || p->rank < 0 || p->rank >= p->world_size || p->num_tokens < 0 ||
       p->num_local_experts < 1 || p->hidden_dim < 1 || p->dtype < kBf16 || p->dtype > kFp32 ||
-      p->max_blocks < 0 ||
-      !p->sparse_to_dense || !p->peer_tokens || !p->peer_probs ||
-      (p->num_tokens > 0 && !p->hidden))
+      p->num_sms < 0 || (p->with_probs != 0 && p->with_probs != 1))
     return ART_ERR_BAD_ARGUMENT;
-  if (cudaError_t e = cudaSetDevice(p->device); e != cudaSuccess) return e;
+  if (p->num_tokens == 0) return ART_OK;
+  if (!p->sparse_to_dense || !p->peer_tokens || !p->peer_probs || !p->hidden ||
+      (p->with_probs && !p->probs))
+    return ART_ERR_BAD_ARGUMENT;
   return ART_OK;
 }
 
@@ -133,18 +199,21 @@ using namespace art_hep;
 ART_API int art_hybridep_dispatch(const ArtHepIntraParams* p) {
   if (int s = check_intra(p); s != ART_OK) return s;
   const int64_t pairs = int64_t(p->num_tokens) * p->world_size;
-  if (pairs == 0) return ART_OK;
+  if (pairs == 0) return ART_OK;  // no own token: nothing to send, no device call
+  if (cudaError_t e = cudaSetDevice(p->device); e != cudaSuccess) return e;
   auto stream = static_cast<cudaStream_t>(p->stream);
-  dispatch_kernel<<<capped_grid(pairs, 16, p->max_blocks), 512, 0, stream>>>(
+  const int blocks = grid_for_sms(dispatch_kernel, 512, p->num_sms, pairs, 16);
+  dispatch_kernel<<<blocks, 512, 0, stream>>>(
       p->sparse_to_dense, p->peer_tokens, p->peer_probs, static_cast<const char*>(p->hidden),
-      p->probs, p->world_size, p->rank, p->num_tokens, p->num_local_experts,
-      p->hidden_dim * dtype_bytes(p->dtype), p->static_budget);
+      p->with_probs ? p->probs : nullptr, p->world_size, p->rank, p->num_tokens,
+      p->num_local_experts, p->hidden_dim * dtype_bytes(p->dtype), p->static_budget, p->status);
   return cudaGetLastError();
 }
 
 ART_API int art_hybridep_combine(const ArtHepIntraParams* p) {
   if (int s = check_intra(p); s != ART_OK) return s;
-  if (p->num_tokens == 0) return ART_OK;
+  if (p->num_tokens == 0) return ART_OK;  // no own token: nothing to reduce, no device call
+  if (cudaError_t e = cudaSetDevice(p->device); e != cudaSuccess) return e;
   auto stream = static_cast<cudaStream_t>(p->stream);
   switch (p->dtype) {
     case kBf16: launch_combine<__nv_bfloat16>(p, stream); break;
@@ -156,11 +225,12 @@ ART_API int art_hybridep_combine(const ArtHepIntraParams* p) {
 
 ART_API int art_hybridep_barrier(const ArtHepBarrierParams* p) {
   ART_CHECK_PARAMS(p, ART_HYBRIDEP_ABI_VERSION);
-  if (p->world_size < 1 || !p->counter || !p->epoch || p->timeout_cycles <= 0)
+  if (p->world_size < 1 || p->rank < 0 || p->rank >= p->world_size || !p->arrivals ||
+      !p->epoch || !p->status || p->timeout_ns <= 0)
     return ART_ERR_BAD_ARGUMENT;
   if (cudaError_t e = cudaSetDevice(p->device); e != cudaSuccess) return e;
   barrier_kernel<<<1, 1, 0, static_cast<cudaStream_t>(p->stream)>>>(
-      p->counter, p->epoch, p->world_size, p->timeout_cycles);
+      p->arrivals, p->epoch, p->world_size, p->rank, p->timeout_ns, p->status);
   return cudaGetLastError();
 }
 

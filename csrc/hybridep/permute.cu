@@ -81,8 +81,10 @@ void launch_unpermute(const ArtHepPermuteParams* p, cudaStream_t stream) {
   const int blocks = capped_grid(p->num_recv_rows, 1, p->max_blocks);
   auto* tokens = static_cast<const T*>(p->tokens);
   auto* recv = static_cast<T*>(const_cast<void*>(p->recv_hidden));
-  auto* recv_probs = const_cast<float*>(p->recv_probs);
-  if (p->hidden_dim % kVec == 0) {
+  auto* recv_probs = p->with_probs ? const_cast<float*>(p->recv_probs) : nullptr;
+  // 16-byte loads need the row pitch *and* both base pointers aligned (a view into the
+  // middle of a tensor is not); otherwise one element per access.
+  if (vector_width(p->dtype, p->hidden_dim, p->tokens, p->recv_hidden) == kVec) {
     unpermute_rows_kernel<T, kVec><<<blocks, 128, 0, stream>>>(
         p->positions, tokens, p->probs, recv, recv_probs, p->num_recv_rows, p->hidden_dim,
         p->num_local_experts);
@@ -93,15 +95,18 @@ void launch_unpermute(const ArtHepPermuteParams* p, cudaStream_t stream) {
   }
 }
 
+// Scalars first, then pointers: an array may be null exactly when it has no element (N = 0
+// receive rows, M = 0 permuted rows), and probs are used only when `with_probs` says so.
 int check(const ArtHepPermuteParams* p) {
   ART_CHECK_PARAMS(p, ART_HYBRIDEP_ABI_VERSION);
   if (p->dtype < kBf16 || p->dtype > kFp32 || p->num_recv_rows < 0 || p->num_permuted < 0 ||
-      p->hidden_dim < 1 || p->num_local_experts < 1 || p->max_blocks < 0)
+      p->hidden_dim < 1 || p->num_local_experts < 1 || p->max_blocks < 0 ||
+      (p->with_probs != 0 && p->with_probs != 1))
     return ART_ERR_BAD_ARGUMENT;
-  if ((p->num_recv_rows > 0 && (!p->positions || !p->recv_hidden)) ||
-      (p->num_permuted > 0 && !p->tokens) || ((p->probs == nullptr) != (p->recv_probs == nullptr)))
+  const bool rows = p->num_recv_rows > 0, permuted = p->num_permuted > 0;
+  if ((rows && (!p->positions || !p->recv_hidden)) || (permuted && !p->tokens) ||
+      (p->with_probs && ((rows && !p->recv_probs) || (permuted && !p->probs))))
     return ART_ERR_BAD_ARGUMENT;
-  if (cudaError_t e = cudaSetDevice(p->device); e != cudaSuccess) return e;
   return ART_OK;
 }
 
@@ -110,10 +115,17 @@ int check(const ArtHepPermuteParams* p) {
 
 using namespace art_hep;
 
+ART_API int32_t art_hybridep_vector_width(int32_t dtype, int64_t hidden_dim, const void* a,
+                                          const void* b) {
+  if (dtype < kBf16 || dtype > kFp32 || hidden_dim < 1) return 0;
+  return vector_width(dtype, hidden_dim, a, b);
+}
+
 ART_API int art_hybridep_permute(const ArtHepPermuteParams* p) {
   if (int s = check(p); s != ART_OK) return s;
-  if (p->num_permuted == 0) return ART_OK;
+  if (p->num_permuted == 0) return ART_OK;  // nothing to write: no device call at all
   if (!p->source) return ART_ERR_BAD_ARGUMENT;
+  if (cudaError_t e = cudaSetDevice(p->device); e != cudaSuccess) return e;
   auto stream = static_cast<cudaStream_t>(p->stream);
   const int64_t pairs = p->num_recv_rows * p->num_local_experts;
   if (cudaError_t e = cudaMemsetAsync(p->source, 0xff, p->num_permuted * sizeof(int32_t), stream);
@@ -126,14 +138,16 @@ ART_API int art_hybridep_permute(const ArtHepPermuteParams* p) {
   const int64_t row_bytes = p->hidden_dim * dtype_bytes(p->dtype);
   permute_rows_kernel<<<capped_grid(p->num_permuted, 1, p->max_blocks), 128, 0, stream>>>(
       p->source, static_cast<const char*>(p->recv_hidden), p->recv_probs,
-      static_cast<char*>(const_cast<void*>(p->tokens)), const_cast<float*>(p->probs),
+      static_cast<char*>(const_cast<void*>(p->tokens)),
+      p->with_probs ? const_cast<float*>(p->probs) : nullptr,
       p->num_permuted, row_bytes, p->num_local_experts);
   return cudaGetLastError();
 }
 
 ART_API int art_hybridep_unpermute(const ArtHepPermuteParams* p) {
   if (int s = check(p); s != ART_OK) return s;
-  if (p->num_recv_rows == 0) return ART_OK;
+  if (p->num_recv_rows == 0) return ART_OK;  // nothing to write: no device call at all
+  if (cudaError_t e = cudaSetDevice(p->device); e != cudaSuccess) return e;
   auto stream = static_cast<cudaStream_t>(p->stream);
   switch (p->dtype) {
     case kBf16: launch_unpermute<__nv_bfloat16>(p, stream); break;

@@ -107,14 +107,17 @@ ART_API uint32_t art_hybridep_abi_version(void) { return ART_HYBRIDEP_ABI_VERSIO
 ART_API int art_hybridep_preprocess(const ArtHepLayoutParams* p) {
   ART_CHECK_PARAMS(p, ART_HYBRIDEP_ABI_VERSION);
   if (p->world_size < 1 || p->rank < 0 || p->rank >= p->world_size || p->num_tokens < 0 ||
-      p->num_local_experts < 1 || p->pad_multiple < 1 || !p->global_map || !p->need ||
-      !p->sparse_to_dense || !p->positions || !p->tokens_per_expert || !p->overflow_flag ||
-      !p->scratch)
+      p->num_local_experts < 1 || p->pad_multiple < 1)
+    return ART_ERR_BAD_ARGUMENT;
+  const int W = p->world_size, L = p->num_local_experts;
+  const int64_t slots = int64_t(W) * p->num_tokens;
+  // T = 0: the map, need, sparse_to_dense and positions arrays are empty (null pointers);
+  // the counts and the flag still have to be written (all zero).
+  if (!p->tokens_per_expert || !p->overflow_flag || !p->scratch) return ART_ERR_BAD_ARGUMENT;
+  if (slots > 0 && (!p->global_map || !p->need || !p->sparse_to_dense || !p->positions))
     return ART_ERR_BAD_ARGUMENT;
   if (cudaError_t e = cudaSetDevice(p->device); e != cudaSuccess) return e;
   auto stream = static_cast<cudaStream_t>(p->stream);
-  const int W = p->world_size, L = p->num_local_experts;
-  const int64_t slots = int64_t(W) * p->num_tokens;
   if (slots > 0) {
     need_kernel<<<grid_for(slots * W, 256, 4096), 256, 0, stream>>>(p->global_map, p->need,
                                                                      slots, W, L);

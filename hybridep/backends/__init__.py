@@ -34,6 +34,11 @@ class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here; the message says why."""
 
 
+class BarrierTimeout(RuntimeError):
+    """A cross-rank barrier gave up waiting for a peer (named in the message); the call
+    failed, the process and its CUDA context did not. The buffer must be rebuilt."""
+
+
 @dataclass(frozen=True)
 class BufferSpec:
     """The sizes a backend is built for (fixed for the buffer's lifetime)."""
@@ -51,7 +56,9 @@ class HybridEPBackend(Protocol):
 
     Construction: `Backend(group, spec: BufferSpec)`; collective over `group`. A backend
     holding registered memory may also define `close()` (collective), which
-    `Buffer.close()` calls.
+    `Buffer.close()` calls. `grow(max_num_of_tokens_per_rank)` (collective) makes room for
+    more tokens per rank; `Buffer` calls it when a dispatch brings more than the buffer was
+    built for, on every rank at the same call.
     """
 
     name: str
@@ -107,6 +114,10 @@ class HybridEPBackend(Protocol):
         rank order, rounded once), `[T, E]` (disjoint scatter)."""
         ...
 
+    def grow(self, max_num_of_tokens_per_rank: int) -> None:
+        """Collective: hold up to `max_num_of_tokens_per_rank` tokens per rank from now on."""
+        ...
+
 
 def _load(name: str) -> type:
     module_name, class_name = _BACKEND_CLASSES[name]
@@ -160,6 +171,7 @@ def select_backend(name: str, group: Any) -> type:
 __all__ = [
     "BACKEND_NAMES",
     "BackendUnavailable",
+    "BarrierTimeout",
     "BufferSpec",
     "HybridEPBackend",
     "cuda_unavailable_reason",

@@ -11,29 +11,46 @@ Registered block of each rank (offsets 256-byte aligned):
 
 | region  | bytes                 | use                                                    |
 | ------- | --------------------- | ------------------------------------------------------ |
-| header  | 256                   | u64 barrier counter (rank 0's is the group's), u64 epoch |
+| header  | 64 + 8 W, rounded     | u64 epoch, i64 T of this dispatch; at 64: arrivals[W] |
 | map     | T_max * E             | this rank's routing map, read by every peer            |
 | tokens  | W * T_max * H * 2     | receive rows (dispatch) / rows to return (combine)     |
 | probs   | W * T_max * L * 4     | fp32 prob slices of those rows                         |
 
-Synchronization is a device-side barrier (a one-thread kernel on a counter in rank 0's
-header, with a clock64 timeout that traps) before and after every step that touches a peer's
-memory, so nothing here synchronizes the host except the blocking layout's counts.
+Synchronization is a device-side barrier (a one-thread kernel on rank 0's arrivals array)
+before and after every step that touches a peer's memory, so nothing here synchronizes the
+host except the blocking layout's counts. A barrier that waits longer than
+`HybridEPConfig.barrier_timeout_s` records the missing rank in the buffer's status block
+(pinned host memory the device writes), later cross-rank kernels skip their work, and the next
+call (or the blocking layout's own synchronization) raises `BarrierTimeout` naming that rank:
+the call fails, the CUDA context survives.
 
-Launch tunables of `HybridEPConfig` cap the grids: `num_sms_dispatch` / `num_sms_combine` the
-dispatch and combine kernels (SMs left free for overlapping compute), `num_blocks_permute` /
-`num_blocks_unpermute` the local kernels (0 = the kernel's own grid, one block per row).
+Token counts: every rank publishes its T in its header with the map. Blocking mode reads them
+(it synchronizes anyway) and raises on a mismatch, as the torch backend does; static-budget
+mode compares them on the device and raises the overflow flag instead.
+
+Growth (`grow`, called by `Buffer` when a dispatch has more tokens than the buffer was built
+for) is collective: every rank closes its mappings, frees, reallocates and re-exchanges the
+IPC handles. `close()` is collective too; a backend dropped without it is released by a
+finalizer that only unmaps the peers' blocks and frees its own (no collective, no raise).
+
+Launch tunables of `HybridEPConfig`: `num_sms_dispatch` / `num_sms_combine` are the SM
+budgets of the dispatch and combine kernels (grid = that many SMs times the blocks one SM
+holds; the other SMs stay free for overlapping compute), `num_blocks_permute` /
+`num_blocks_unpermute` cap the local kernels' grids (0 = one block per row).
 
 Scope: one node. A group spanning hosts is refused (inter-node RDMA is not implemented);
 hidden states moved between ranks are 16-bit (bf16/fp16), which is what the buffer is sized
-for; an sm_90 GPU and `nvcc` (first use builds the kernels) are required.
+for (fp32 is refused before anything is copied); an sm_90 GPU and `nvcc` (first use builds the
+kernels) are required.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import shutil
 import socket
+import weakref
 from typing import Any
 
 import torch
@@ -41,13 +58,11 @@ import torch.distributed as dist
 
 from hybridep import build as kbuild
 from hybridep import build_hybridep_abi as abi
-from hybridep.backends import BackendUnavailable, BufferSpec
+from hybridep.backends import BackendUnavailable, BarrierTimeout, BufferSpec
 from hybridep.handle import DispatchHandle
 
-BARRIER_TIMEOUT_CYCLES = 20_000_000_000
-"""~10 s at H200 clocks: a peer that never arrives makes the barrier trap instead of hang."""
 _ALIGN = 256
-_HEADER_BYTES = 256
+_EPOCH_OFFSET, _TOKENS_OFFSET, _ARRIVALS_OFFSET = 0, 8, 64
 _MOVED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -64,6 +79,54 @@ def check_single_node(hostnames: list[str]) -> None:
             f"spans {len(hosts)} hosts {hosts}; inter-node (RDMA) dispatch is not implemented. "
             "Use backend='torch' for multi-node groups."
         )
+
+
+def check_moved_dtype(dtype: torch.dtype) -> None:
+    """The registered token area holds 2-byte elements: refuse anything else up front."""
+    if dtype not in _MOVED_DTYPES:
+        raise ValueError(
+            f"hybridep cuda moves 16-bit hidden states {_MOVED_DTYPES}, got {dtype}; use "
+            "backend='torch' for other dtypes"
+        )
+
+
+def registered_layout(spec: BufferSpec, world: int) -> tuple[dict[str, int], int, int]:
+    """(offset of each region, total bytes, max tokens per rank) of one registered block."""
+    max_tokens = _round_up(max(spec.max_num_of_tokens_per_rank, 1), spec.config.token_chunk)
+    max_rows = world * max_tokens
+    sizes = {
+        "header": _ARRIVALS_OFFSET + 8 * world,
+        "map": max_tokens * world * spec.num_local_experts,
+        "tokens": max_rows * spec.hidden_dim * 2,
+        "probs": max_rows * spec.num_local_experts * 4,
+    }
+    offsets, total = {}, 0
+    for region, size in sizes.items():
+        offsets[region] = total
+        total += _round_up(size, _ALIGN)
+    return offsets, total, max_tokens
+
+
+def release_local(lib: Any, device: int, own: int, imported: tuple[int, ...]) -> None:
+    """Finalizer of a backend dropped without `close()`: unmap the peers' blocks, free our own.
+
+    Local only (a collective from a garbage collector could deadlock) and never raising (it
+    may run at interpreter exit). `cudaFree` waits for the device, so a kernel still using
+    the block finishes first. Peers that still map our block must not touch it any more; a
+    buffer in use is closed collectively instead.
+    """
+    try:
+        for ptr in imported:
+            lib.art_hybridep_ipc_close(device, ptr)
+        lib.art_hybridep_free(device, own)
+    except Exception:  # interpreter shutdown: nothing left to report to
+        pass
+
+
+def _status_block() -> torch.Tensor:
+    """int32 status words in pinned host memory: under unified addressing the device writes
+    them through the same pointer and the host reads them without a synchronization."""
+    return torch.zeros(abi.STATUS_WORDS, dtype=torch.int32, pin_memory=True)
 
 
 class _DeviceBytes:
@@ -111,28 +174,18 @@ class CudaBackend:
         dist.all_gather_object(hostnames, socket.gethostname(), group=group)
         check_single_node(hostnames)
         self.device = torch.cuda.current_device()
+        self.torch_device = torch.device("cuda", self.device)
         self.lib = abi.load_library(build_config)
         self._closed = True
+        self._finalizer: weakref.finalize | None = None
         self._allocate()
 
     # -- registered memory ---------------------------------------------------------------
     def _allocate(self) -> None:
-        world, spec = self.world_size, self.spec
-        self.max_tokens = _round_up(
-            max(spec.max_num_of_tokens_per_rank, 1), spec.config.token_chunk
-        )
-        max_rows = world * self.max_tokens
-        experts = world * spec.num_local_experts
-        sizes = {
-            "header": _HEADER_BYTES,
-            "map": self.max_tokens * experts,
-            "tokens": max_rows * spec.hidden_dim * 2,
-            "probs": max_rows * spec.num_local_experts * 4,
-        }
-        self._offsets, total = {}, 0
-        for region, size in sizes.items():
-            self._offsets[region] = total
-            total += _round_up(size, _ALIGN)
+        world = self.world_size
+        self._offsets, total, self.max_tokens = registered_layout(self.spec, world)
+        # device-written, host-read without a sync (pinned memory is mapped under UVA)
+        self._status = _status_block()
         own = ctypes.c_void_p()
         self._check(self.lib.art_hybridep_alloc(self.device, total, ctypes.byref(own)), "alloc")
         self._own = own.value
@@ -152,7 +205,11 @@ class CudaBackend:
             )
             self._bases.append(mapped.value)
         self._closed = False
-        dev = torch.device("cuda", self.device)
+        imported = tuple(b for peer, b in enumerate(self._bases) if peer != self.rank)
+        self._finalizer = weakref.finalize(
+            self, release_local, self.lib, self.device, self._own, imported
+        )
+        dev = self.torch_device
         self._peer_tokens = torch.tensor(
             [b + self._offsets["tokens"] for b in self._bases], dtype=torch.int64, device=dev
         )
@@ -164,6 +221,8 @@ class CudaBackend:
         """Collective: unmap peers' blocks, then free our own (importers close first)."""
         if self._closed:
             return
+        if self._finalizer is not None:
+            self._finalizer.detach()  # released here, collectively, not by the finalizer
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
         for peer, base in enumerate(self._bases):
@@ -173,18 +232,43 @@ class CudaBackend:
         self._check(self.lib.art_hybridep_free(self.device, self._own), "free")
         self._closed = True
 
+    def grow(self, max_num_of_tokens_per_rank: int) -> None:
+        """Collective: reallocate the registered blocks for a larger T and re-exchange them."""
+        self.close()
+        self.spec = dataclasses.replace(
+            self.spec, max_num_of_tokens_per_rank=max_num_of_tokens_per_rank
+        )
+        self._allocate()
+
     def _view(self, rank: int, region: str, nbytes: int) -> torch.Tensor:
         """uint8 view of `nbytes` of `rank`'s region (mapped into this process)."""
         if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", self.device))
+            return torch.empty(0, dtype=torch.uint8, device=self.torch_device)
         ptr = self._bases[rank] + self._offsets[region]
-        return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=torch.device("cuda", self.device))
+        return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=self.torch_device)
 
     def _check(self, status: int, what: str) -> None:
         if status != 0:
             raise RuntimeError(
                 f"hybridep CUDA {what} failed with status {status} on rank {self.rank}"
             )
+
+    def check_status(self) -> None:
+        """Raise `BarrierTimeout` if a barrier of this buffer gave up (no synchronization:
+        the device writes the status block in pinned host memory)."""
+        if self._closed:
+            raise RuntimeError("hybridep cuda: the buffer is closed; build a new one")
+        status = self._status.tolist()
+        if status[0] == abi.STATUS_BARRIER_TIMEOUT:
+            raise BarrierTimeout(
+                f"hybridep cuda: a cross-rank barrier on rank {self.rank} timed out after "
+                f"{self.spec.config.barrier_timeout_s} s waiting for rank {status[1]} (barrier "
+                f"epoch {status[2]}); the kernels after it were skipped. This buffer is "
+                "unusable: close() it on every rank and build a new one (raise "
+                "HybridEPConfig.barrier_timeout_s if ranks are legitimately that far apart)"
+            )
+        if status[0] != 0:
+            raise RuntimeError(f"hybridep cuda: unknown status {status} on rank {self.rank}")
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
@@ -193,17 +277,25 @@ class CudaBackend:
         params = abi.BarrierParams.make(
             device=self.device,
             world_size=self.world_size,
-            counter=self._bases[0] + self._offsets["header"],
-            epoch=self._own + self._offsets["header"] + 8,
-            timeout_cycles=BARRIER_TIMEOUT_CYCLES,
+            rank=self.rank,
+            arrivals=self._bases[0] + self._offsets["header"] + _ARRIVALS_OFFSET,
+            epoch=self._own + self._offsets["header"] + _EPOCH_OFFSET,
+            timeout_ns=int(self.spec.config.barrier_timeout_s * 1e9),
+            status=self._status.data_ptr(),
             stream=self._stream(),
         )
         self._check(self.lib.art_hybridep_barrier(ctypes.byref(params)), "barrier")
 
     # -- preprocessing -------------------------------------------------------------------
+    def _token_count(self, rank: int) -> torch.Tensor:
+        """int64 [1] view of the token count `rank` published in its header."""
+        header = self._view(rank, "header", _TOKENS_OFFSET + 8)
+        return header[_TOKENS_OFFSET:].view(torch.int64)
+
     def preprocess(
         self, routing_map: torch.Tensor, *, pad_multiple: int, num_permuted_tokens: int | None
     ) -> DispatchHandle:
+        self.check_status()
         world, rank, num_local = self.world_size, self.rank, self.spec.num_local_experts
         tokens, experts = routing_map.shape
         if experts != world * num_local:
@@ -215,13 +307,24 @@ class CudaBackend:
             raise ValueError(
                 f"hybridep cuda: {tokens} tokens exceed the buffer's {self.max_tokens} per rank"
             )
-        dev = torch.device("cuda", self.device)
+        dev = self.torch_device
         map_bytes = routing_map.to(dev).contiguous().view(torch.uint8).reshape(-1)
+        self._token_count(rank).fill_(tokens)  # a device fill: no host-to-device copy
         self._view(rank, "map", map_bytes.numel()).copy_(map_bytes)
-        self._barrier()  # every rank's map is in place
+        self._barrier()  # every rank's map and count are in place
+        counts = torch.cat([self._token_count(r) for r in range(world)])
         global_map = torch.cat([self._view(r, "map", map_bytes.numel()) for r in range(world)])
         self._barrier()  # every rank has read every map before any is overwritten
         static = num_permuted_tokens is not None
+        if not static:  # blocking: counts are read on the host, as the torch backend does
+            host_counts = counts.tolist()
+            self.check_status()
+            if any(c != tokens for c in host_counts):
+                raise ValueError(
+                    f"hybridep: ranks passed different token counts {host_counts}; every rank "
+                    "must dispatch the same number of tokens (pad them, e.g. Megatron's "
+                    "moe_hybridep_pad_uneven_dispatch_inputs)"
+                )
         layout = compute_layout(
             self.lib, global_map.view(world, tokens, experts), rank, num_local, pad_multiple,
             int(num_permuted_tokens) if static else None,
@@ -232,6 +335,8 @@ class CudaBackend:
         if static:
             dense_map, num_rows, budget = positions, slots, int(num_permuted_tokens)
             send_counts = recv_counts = None
+            # uneven T cannot be read on the host here: it raises the flag (on the device)
+            overflow = overflow | (counts != tokens).any().to(torch.int32)
         else:  # blocking: exact sizes on the host (this is where it synchronizes)
             need3 = need.view(world, tokens, world).bool()
             dense_map = positions[need3[:, :, rank].reshape(-1)]
@@ -251,24 +356,23 @@ class CudaBackend:
 
     # -- communication -------------------------------------------------------------------
     def _intra(self, handle: DispatchHandle, hidden, probs, dtype, sms: int) -> abi.IntraParams:
-        if dtype not in _MOVED_DTYPES:
-            raise ValueError(
-                f"hybridep cuda moves 16-bit hidden states {_MOVED_DTYPES}, got {dtype}; use "
-                "backend='torch' for other dtypes"
-            )
         return abi.IntraParams.make(
             device=self.device, dtype=abi.DTYPE_CODES[str(dtype).removeprefix("torch.")],
             world_size=self.world_size, rank=self.rank, num_tokens=handle.num_tokens,
             num_local_experts=handle.num_experts_per_rank, hidden_dim=handle.hidden_dim,
-            static_budget=int(handle.static_budget), max_blocks=sms,
+            static_budget=int(handle.static_budget), num_sms=sms,
+            with_probs=int(probs is not None),
             sparse_to_dense=_ptr(handle.sparse_to_dense_map.contiguous()),
             peer_tokens=_ptr(self._peer_tokens), peer_probs=_ptr(self._peer_probs),
-            hidden=_ptr(hidden), probs=_ptr(probs), stream=self._stream(),
+            hidden=_ptr(hidden), probs=_ptr(probs), status=self._status.data_ptr(),
+            stream=self._stream(),
         )  # fmt: skip
 
     def dispatch(
         self, hidden: torch.Tensor, probs: torch.Tensor | None, handle: DispatchHandle
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        check_moved_dtype(hidden.dtype)
+        self.check_status()
         hidden = hidden.contiguous()
         probs = None if probs is None else probs.float().contiguous()
         params = self._intra(handle, hidden, probs, hidden.dtype, self.spec.config.num_sms_dispatch)
@@ -286,6 +390,9 @@ class CudaBackend:
     def combine(
         self, hidden: torch.Tensor, probs: torch.Tensor | None, handle: DispatchHandle
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # the dtype decides the bytes copied into the registered area: check it first
+        check_moved_dtype(hidden.dtype)
+        self.check_status()
         hidden = hidden.contiguous()
         rows = handle.num_recv_rows
         self._view(self.rank, "tokens", hidden.numel() * hidden.element_size()).copy_(
@@ -402,7 +509,7 @@ def permute_rows(lib, recv_hidden, recv_probs, positions, num_permuted: int, max
         hidden_dim=recv_hidden.shape[1], num_local_experts=positions.shape[1],
         positions=_ptr(positions), recv_hidden=_ptr(recv_hidden), recv_probs=_ptr(recv_probs),
         tokens=_ptr(tokens), probs=_ptr(probs), source=_ptr(source), stream=_stream_of(dev),
-        max_blocks=max_blocks,
+        max_blocks=max_blocks, with_probs=int(recv_probs is not None),
     )  # fmt: skip
     _status(lib.art_hybridep_permute(ctypes.byref(params)), "permute")
     return tokens, probs
@@ -425,7 +532,7 @@ def unpermute_rows(lib, tokens, probs, positions, max_blocks: int = 0):
         num_permuted=tokens.shape[0], hidden_dim=tokens.shape[1], num_local_experts=num_local,
         positions=_ptr(positions), recv_hidden=_ptr(recv), recv_probs=_ptr(recv_probs),
         tokens=_ptr(tokens), probs=_ptr(probs), source=None, stream=_stream_of(dev),
-        max_blocks=max_blocks,
+        max_blocks=max_blocks, with_probs=int(probs is not None),
     )  # fmt: skip
     _status(lib.art_hybridep_unpermute(ctypes.byref(params)), "unpermute")
     return recv, recv_probs

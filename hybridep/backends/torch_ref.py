@@ -14,6 +14,7 @@ Two transfer layouts (recorded in the handle):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -55,6 +56,13 @@ class TorchBackend:
         self.spec = spec
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+
+    def grow(self, max_num_of_tokens_per_rank: int) -> None:
+        """Collective in effect (every rank calls it at the same dispatch): the fixed-size
+        messages of preprocessing and of the static layout are sized from this maximum."""
+        self.spec = dataclasses.replace(
+            self.spec, max_num_of_tokens_per_rank=max_num_of_tokens_per_rank
+        )
 
     # -- preprocessing -------------------------------------------------------------------
     def _all_gather_map(self, routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +198,7 @@ class TorchBackend:
         need_own = handle.sparse_to_dense_map >= 0
         payload = _to_bytes(hidden, probs)
         if handle.static_budget:
-            back = self._exchange_static(payload.view(world, tokens, -1))  # every slot row
+            back = self._exchange_static(payload.view(world, tokens, payload.shape[-1]))
             arange = torch.arange(tokens, device=hidden.device)
             rank_of_row = torch.arange(world, device=hidden.device).repeat_interleave(tokens)
             token_of_row = torch.where(need_own.t().reshape(-1), arange.repeat(world), -1)

@@ -109,12 +109,6 @@ def _errors(buf, hidden, routing, probs):
             ),
             "hidden size mismatch",
         ),
-        "too_many_tokens": (
-            lambda: buf.dispatch_with_permute(
-                hidden=torch.cat([hidden] * 4), routing_map=torch.cat([routing] * 4), probs=None
-            ),
-            "max_num_of_tokens_per_rank",
-        ),
         "budget_not_multiple": (
             lambda: buf.dispatch_with_permute(
                 hidden=hidden, routing_map=routing, pad_multiple=4, num_permuted_tokens=6
@@ -292,6 +286,98 @@ def _worker(rank: int, world: int) -> dict:
     )
     buf.combine_with_unpermute(hidden=tokens, handle=handle)
     res["uneven_static_flag"] = int(handle[-1].item())
+    res["zero_tokens"] = _zero_tokens(buf, world)
+    res["growth"] = _growth(rank, world)
+    return res
+
+
+def _round_trip(buf, hidden, routing, probs, pad, budget=None):
+    """dispatch_with_permute -> (local expert + 1) scaling -> combine_with_unpermute."""
+    tokens, tprobs, _, tpe, handle = buf.dispatch_with_permute(
+        hidden=hidden, routing_map=routing, probs=probs, pad_multiple=pad,
+        num_permuted_tokens=budget, non_blocking=budget is not None,
+    )  # fmt: skip
+    scaled = (tokens.float() * _expert_scale(tpe, tokens.shape[0])).to(torch.bfloat16)
+    out, back = buf.combine_with_unpermute(hidden=scaled, probs=tprobs, handle=handle)
+    return tokens, tpe, out, back, int(handle[-1].item())
+
+
+def _zero_tokens(buf, world: int) -> dict:
+    """Every rank passes T = 0: empty outputs, zero counts, no flag, blocking and static."""
+    hidden = torch.zeros(0, HIDDEN, dtype=torch.bfloat16)
+    routing = torch.zeros(0, world * LOCAL_EXPERTS, dtype=torch.bool)
+    probs = torch.zeros(0, world * LOCAL_EXPERTS)
+    out = {}
+    for mode, budget in (("blocking", None), ("static", 8)):
+        tokens, tpe, combined, back, flag = _round_trip(buf, hidden, routing, probs, 4, budget)
+        out[mode] = (
+            tokens.shape == ((0 if budget is None else budget), HIDDEN)
+            and not tokens.any()
+            and tpe.tolist() == [0] * LOCAL_EXPERTS
+            and combined.shape == (0, HIDDEN)
+            and back.shape == (0, world * LOCAL_EXPERTS)
+            and flag == 0
+        )
+    return out
+
+
+class _Records(__import__("logging").Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _growth(rank: int, world: int) -> dict:
+    """A dispatch with more tokens than the buffer was built for grows it on every rank."""
+    import logging
+
+    import torch.distributed as dist
+
+    import hybridep
+
+    records = _Records()
+    logging.getLogger("hybridep.buffer").addHandler(records)
+    group = dist.group.WORLD
+    res: dict = {}
+    big = 4 * TOKENS
+    hidden, routing, probs = _inputs(rank, world, 5)
+    hidden, routing, probs = (torch.cat([t] * 4) for t in (hidden, routing, probs))
+    ref = hybridep.Buffer(group, HIDDEN, big, LOCAL_EXPERTS, backend="torch")
+    expected = _round_trip(ref, hidden, routing, probs, 4)
+    for mode, budget in (("blocking", None), ("static", 4 * big * LOCAL_EXPERTS)):
+        records.messages.clear()
+        small = hybridep.Buffer(group, HIDDEN, TOKENS, LOCAL_EXPERTS, backend="torch")
+        first = _round_trip(small, hidden[:TOKENS], routing[:TOKENS], probs[:TOKENS], 4, budget)
+        grown = _round_trip(small, hidden, routing, probs, 4, budget)
+        again = _round_trip(small, hidden, routing, probs, 4, budget)
+        same = all(
+            torch.equal(g[:n], e) and not g[n:].any()
+            for g, e, n in ((grown[0], expected[0], expected[0].shape[0]),)
+        ) and all(torch.equal(a, b) for a, b in zip(grown[2:4], expected[2:4], strict=True))
+        res[mode] = {
+            "first_ok": first[4] == 0,
+            "equals_large_buffer": same and torch.equal(again[2], expected[2]),
+            "capacity": small.max_num_of_tokens_per_rank,
+            "logged": [m for m in records.messages if "growing the buffer" in m],
+        }
+    # Different counts, some above the capacity: every rank raises, none grows.
+    records.messages.clear()
+    small = hybridep.Buffer(group, HIDDEN, TOKENS, LOCAL_EXPERTS, backend="torch")
+    mine = TOKENS + 1 + 70 * rank
+    try:
+        small.dispatch_with_permute(
+            hidden=torch.zeros(mine, HIDDEN, dtype=torch.bfloat16),
+            routing_map=torch.zeros(mine, world * LOCAL_EXPERTS, dtype=torch.bool),
+        )
+        res["uneven"] = "no error"
+    except ValueError as exc:
+        res["uneven"] = "ok" if "different token counts" in str(exc) else str(exc)
+    res["uneven_capacity"] = small.max_num_of_tokens_per_rank
+    res["after_uneven_ok"] = _round_trip(small, hidden, routing, probs, 4)[4] == 0
+    logging.getLogger("hybridep.buffer").removeHandler(records)
     return res
 
 
@@ -377,7 +463,6 @@ def test_plain_combine_sums_over_ranks_and_scatters_probs(results):
         "routing_dtype",
         "probs_dtype",
         "hidden_size",
-        "too_many_tokens",
         "budget_not_multiple",
         "non_blocking_without_budget",
         "experts_per_rank",
@@ -394,3 +479,28 @@ def test_uneven_token_counts_raise_when_blocking_and_flag_when_static(results):
         r["uneven_blocking"] for r in results
     ]
     assert all(r["uneven_static_flag"] != 0 for r in results)
+
+
+def test_zero_tokens_on_every_rank_give_empty_results_blocking_and_static(results):
+    for rank, r in enumerate(results):
+        assert r["zero_tokens"] == {"blocking": True, "static": True}, (rank, r["zero_tokens"])
+
+
+@pytest.mark.parametrize("mode", ["blocking", "static"])
+def test_a_larger_dispatch_grows_the_buffer_once_and_logs_it_once(results, mode):
+    for rank, r in enumerate(results):
+        got = r["growth"][mode]
+        assert got["first_ok"], rank
+        assert got["equals_large_buffer"], f"rank {rank}: grown buffer differs from a large one"
+        assert got["capacity"] == 64, got["capacity"]  # 40 tokens rounded up to the chunk (64)
+        assert len(got["logged"]) == 1, got["logged"]  # the repeat at 40 tokens does not grow
+        assert "40 tokens per rank" in got["logged"][0], got["logged"][0]
+
+
+def test_uneven_counts_above_the_capacity_raise_on_every_rank_without_growing(results):
+    """The counts are exchanged before any growth: every rank raises at the same call (no rank
+    left in a reallocation collective) and the buffer stays as it was, still usable."""
+    for rank, r in enumerate(results):
+        assert r["growth"]["uneven"] == "ok", (rank, r["growth"]["uneven"])
+        assert r["growth"]["uneven_capacity"] == TOKENS
+        assert r["growth"]["after_uneven_ok"]

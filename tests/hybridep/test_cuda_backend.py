@@ -7,7 +7,11 @@ test_build_kernels.py and the struct layouts in test_cuda_abi_layout.py.
 GPU (sm_90 only): (a) the scan, permute and unpermute kernels on one GPU against
 `hybridep.layout` / `hybridep.movement`, emulating rank k of W; (b) 2 and 4 rank processes on
 one GPU (gloo group, CUDA IPC) running preprocess -> dispatch -> permute -> unpermute ->
-combine against the torch backend on the same inputs. All comparisons are bitwise.
+combine against the torch backend on the same inputs. All comparisons are bitwise. The same
+spawn covers zero tokens on every rank, a rank nothing is routed to, uneven token counts
+(blocking raises on every rank, a budget sets the flag), an fp32 combine refused without
+harming the buffer, growth, and a barrier that times out on a late rank without killing the
+process (its CPU twins are in test_cuda_binding.py and test_kernels_zero_rows_abi.py).
 """
 
 from __future__ import annotations
@@ -20,7 +24,13 @@ from hybridep.backends import BackendUnavailable, BufferSpec, select_backend
 from hybridep.backends.cuda import CudaBackend, check_single_node
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-gpu = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+
+
+def gpu(test):
+    """`gpu`-marked (bench/gpu_check.sh selects these) and skipped without an sm_90 GPU."""
+    return pytest.mark.gpu(
+        pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")(test)
+    )
 
 
 # -- CPU: refusals ------------------------------------------------------------------------
@@ -96,6 +106,43 @@ def test_permute_and_unpermute_kernels_match_reference(dtype, hidden):
     assert torch.equal(got_back_probs.cpu(), ref_back_probs)
 
 
+@gpu
+def test_permute_and_unpermute_kernels_with_zero_rows_and_zero_budget():
+    from hybridep import build_hybridep_abi as abi
+    from hybridep.backends.cuda import permute_rows, unpermute_rows
+
+    lib = abi.load_library()
+    empty = torch.zeros(0, 64, dtype=torch.bfloat16, device="cuda")
+    no_positions = torch.zeros(0, 3, dtype=torch.int32, device="cuda")
+    tokens, probs = permute_rows(lib, empty, torch.zeros(0, 3, device="cuda"), no_positions, 8)
+    assert tokens.shape == (8, 64) and not tokens.any() and not probs.any()
+    tokens, probs = permute_rows(lib, empty, None, no_positions, 0)
+    assert tokens.shape == (0, 64) and probs is None
+    dropped = torch.full((5, 3), -1, dtype=torch.int32, device="cuda")  # budget 0: all dropped
+    recv, recv_probs = unpermute_rows(lib, empty, torch.zeros(0, device="cuda"), dropped)
+    assert recv.shape == (5, 64) and not recv.any() and not recv_probs.any()
+
+
+@gpu
+def test_unpermute_kernel_takes_a_misaligned_base_pointer():
+    """Rows of 64 bf16 (16-byte pitch) read from a view one element into a buffer: the base is
+    2-byte aligned, so the kernel must not use 16-byte loads (it did: misaligned address)."""
+    from hybridep import build_hybridep_abi as abi
+    from hybridep import layout, movement
+    from hybridep.backends.cuda import unpermute_rows
+
+    lib = abi.load_library()
+    gmap = _random_map(2, 50, 3, seed=4)
+    positions = layout.expert_positions(layout.local_expert_map(gmap, 0, 3), 1, None)
+    m = int(positions.tokens_per_expert.sum())
+    backing = torch.randn(m * 64 + 1).to(torch.bfloat16)
+    expert_out = backing[1:].view(m, 64)  # not 16-byte aligned
+    ref, _ = movement.unpermute_tokens(expert_out, None, positions.positions)
+    pos32 = positions.positions.to(torch.int32).cuda()
+    got, _ = unpermute_rows(lib, backing.cuda()[1:].view(m, 64), None, pos32)
+    assert torch.equal(got.cpu(), ref)
+
+
 # -- GPU (b): 2-4 rank processes on one GPU through CUDA IPC --------------------------------
 HIDDEN, LOCAL, TOKENS = 256, 3, 200
 
@@ -140,7 +187,84 @@ def _ipc_worker(rank: int, world: int, seed: int) -> dict:
         c_ref = ref.combine(*u_ref, h_ref)
         c_gpu = cuda.combine(*u_gpu, h_gpu)
         out[f"{mode}/combine"] = same(c_ref[0], c_gpu[0]) and same(c_ref[1], c_gpu[1])
+    out.update(_edge_cases(rank, world, ref, cuda, routing, hidden, probs))
     cuda.close()
+    return out
+
+
+def _edge_cases(rank, world, ref, cuda, routing, hidden, probs) -> dict:
+    """Zero tokens, a rank with nothing routed to it, uneven counts, fp32, growth, timeout."""
+    from hybridep.backends import BarrierTimeout
+
+    same = lambda a, b: torch.equal(a.cpu(), b.cpu())  # noqa: E731
+    out = {}
+
+    def round_trip(backend, r, h, p, budget=None, dev=lambda t: t):
+        handle = backend.preprocess(dev(r), pad_multiple=4, num_permuted_tokens=budget)
+        recv = backend.dispatch(dev(h), dev(p), handle)
+        perm = backend.permute(*recv, handle)
+        back = backend.unpermute(perm[0] * 2, perm[1], handle)
+        return handle, perm, backend.combine(*back, handle)
+
+    gpu_ = lambda t: t.cuda()  # noqa: E731
+    for name, r, h, p in (
+        ("zero_tokens", routing[:0], hidden[:0], probs[:0]),
+        ("last_rank_idle", routing & (torch.arange(routing.shape[1]) < (world - 1) * LOCAL),
+         hidden, probs),
+    ):  # fmt: skip
+        for budget in (None, 64):
+            h_ref, p_ref, c_ref = round_trip(ref, r, h, p, budget)
+            h_gpu, p_gpu, c_gpu = round_trip(cuda, r, h, p, budget, gpu_)
+            out[f"{name}/{budget}"] = (
+                same(p_ref[0], p_gpu[0]) and same(c_ref[0], c_gpu[0])
+                and same(c_ref[1], c_gpu[1]) and same(h_ref.overflow_flag, h_gpu.overflow_flag)
+            )  # fmt: skip
+    short = TOKENS - 10 * rank  # uneven counts
+    try:
+        cuda.preprocess(routing[:short].cuda(), pad_multiple=1, num_permuted_tokens=None)
+        out["uneven_blocking_raises"] = False
+    except ValueError as exc:
+        out["uneven_blocking_raises"] = "different token counts" in str(exc)
+    handle = cuda.preprocess(routing[:short].cuda(), pad_multiple=1, num_permuted_tokens=512)
+    out["uneven_static_flag"] = int(handle.overflow_flag.item()) == 1
+    handle = cuda.preprocess(routing.cuda(), pad_multiple=1, num_permuted_tokens=None)
+    recv = cuda.dispatch(hidden.cuda(), None, handle)
+    try:
+        cuda.combine(recv[0].float(), None, handle)
+        out["fp32_refused"] = False
+    except ValueError:
+        out["fp32_refused"] = True
+    c_gpu = cuda.combine(recv[0], None, handle)  # the buffer still works after the refusal
+    h_ref = ref.preprocess(routing, pad_multiple=1, num_permuted_tokens=None)
+    c_ref = ref.combine(ref.dispatch(hidden, None, h_ref)[0], None, h_ref)
+    out["after_fp32_bitwise"] = same(c_ref[0], c_gpu[0])
+    # growth: twice the tokens after a collective reallocation
+    cuda.grow(2 * TOKENS)
+    ref.grow(2 * TOKENS)
+    big = [torch.cat([t, t]) for t in (routing, hidden, probs)]
+    _, p_ref, c_ref = round_trip(ref, *big)
+    _, p_gpu, c_gpu = round_trip(cuda, *big, dev=gpu_)
+    out["grown_bitwise"] = same(p_ref[0], p_gpu[0]) and same(c_ref[0], c_gpu[0])
+    # a late rank: the others' barrier gives up, the call fails naming it, the process lives
+    import dataclasses
+    import time
+
+    import torch.distributed as dist
+
+    cuda.spec = dataclasses.replace(
+        cuda.spec, config=dataclasses.replace(cuda.spec.config, barrier_timeout_s=1.0)
+    )
+    dist.barrier()
+    if rank == world - 1:
+        time.sleep(4.0)
+    else:
+        try:
+            cuda.preprocess(routing.cuda(), pad_multiple=1, num_permuted_tokens=None)
+            out["timeout_named"] = False
+        except BarrierTimeout as exc:
+            out["timeout_named"] = f"waiting for rank {world - 1}" in str(exc)
+        torch.cuda.synchronize()  # the CUDA context survived
+        out["context_alive"] = bool(torch.ones(1, device="cuda").sum().item() == 1)
     return out
 
 

@@ -23,6 +23,9 @@ _NP = {0: None, 1: np.float16, 2: np.float32}  # bf16 handled as raw uint16
 
 
 def _array(ptr: int, count: int, ctype) -> np.ndarray:
+    """The C contract: a pointer may be null exactly when its array has no element."""
+    if count == 0:
+        return np.ctypeslib.as_array((ctype * 1)())[:0]
     assert ptr, "null pointer passed where data was expected"
     return np.ctypeslib.as_array((ctype * count).from_address(ptr))
 
@@ -78,7 +81,7 @@ class FakeHybridEPLib:
         self.calls.append("permute")
         recv = _hidden(p.recv_hidden, p.num_recv_rows, p.hidden_dim, p.dtype).clone()
         recv_probs = None
-        if p.recv_probs:
+        if p.with_probs:
             count = p.num_recv_rows * p.num_local_experts
             recv_probs = torch.from_numpy(_array(p.recv_probs, count, ctypes.c_float).copy())
             recv_probs = recv_probs.view(p.num_recv_rows, p.num_local_experts)
@@ -95,7 +98,7 @@ class FakeHybridEPLib:
         self.calls.append("unpermute")
         tokens = _hidden(p.tokens, p.num_permuted, p.hidden_dim, p.dtype).clone()
         probs = None
-        if p.probs:
+        if p.with_probs:
             probs = torch.from_numpy(_array(p.probs, p.num_permuted, ctypes.c_float).copy())
         recv, recv_probs = movement.unpermute_tokens(tokens, probs, self._positions(p))
         _hidden(p.recv_hidden, p.num_recv_rows, p.hidden_dim, p.dtype).copy_(recv)
@@ -156,3 +159,243 @@ def test_unknown_dtype_is_refused_before_any_call(fake):
     with pytest.raises(ValueError, match="int64"):
         backend.permute_rows(fake, torch.zeros(2, 8, dtype=torch.int64), None, pos, 2)
     assert fake.calls == []
+
+
+# -- zero rows: what crosses the ABI when an array is empty ---------------------------------
+def test_zero_tokens_layout_passes_null_maps_and_still_gets_counts_and_flag(fake):
+    """T = 0 on every rank: the map, need, sparse and positions arrays are empty (null data
+    pointers, as PyTorch gives 0-byte CUDA tensors), counts and the flag are still written."""
+    gmap = torch.zeros(2, 0, 6, dtype=torch.bool)
+    for budget in (None, 8):
+        got = backend.compute_layout(fake, gmap, 1, 3, 4, budget)
+        assert got["tokens_per_expert"].tolist() == [0, 0, 0]
+        assert got["overflow_flag"].tolist() == [0]
+        assert got["positions"].shape == (0, 3) and got["sparse_to_dense"].shape == (0, 2)
+
+
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_permute_with_no_receive_row_fills_the_budget_with_zeros(fake, with_probs):
+    """N = 0 receive rows (nothing routed here) but a static budget M = 8: the row arrays are
+    null, the output is zero rows and zero probs; `with_probs` says whether probs travel."""
+    recv = torch.zeros(0, 16, dtype=torch.bfloat16)
+    recv_probs = torch.zeros(0, 2) if with_probs else None
+    positions = torch.zeros(0, 2, dtype=torch.int32)
+    tokens, probs = backend.permute_rows(fake, recv, recv_probs, positions, 8)
+    assert tokens.shape == (8, 16) and not tokens.any()
+    assert (probs is not None) == with_probs
+    if with_probs:
+        assert probs.shape == (8,) and not probs.any()
+
+
+def test_unpermute_of_an_empty_budget_gives_zero_rows_and_probs(fake):
+    """M = 0 permuted rows (a zero budget drops everything) but N = 4 receive rows: tokens
+    and probs arrays are null, every receive row and prob comes back zero."""
+    positions = torch.full((4, 2), -1, dtype=torch.int32)
+    recv, recv_probs = backend.unpermute_rows(
+        fake, torch.zeros(0, 16, dtype=torch.bfloat16), torch.zeros(0), positions
+    )
+    assert recv.shape == (4, 16) and not recv.any()
+    assert recv_probs.shape == (4, 2) and not recv_probs.any()
+
+
+# -- the CUDA backend's Python protocol, W ranks emulated by threads on CPU ----------------
+class _Registered:
+    """Each emulated rank's registered regions as CPU byte tensors (what IPC maps on a GPU)."""
+
+    def __init__(self, world: int, spec) -> None:
+        self.offsets, _, self.max_tokens = backend.registered_layout(spec, world)
+        experts = world * spec.num_local_experts
+        self.regions = [
+            {"header": torch.zeros(64 + 8 * world, dtype=torch.uint8),
+             "map": torch.zeros(self.max_tokens * experts, dtype=torch.uint8)}
+            for _ in range(world)
+        ]  # fmt: skip
+
+
+def _emulated_backends(world: int, lib, max_tokens: int = 32):
+    import threading
+
+    from hybridep.backends import BufferSpec
+
+    spec = BufferSpec(hidden_dim=16, max_num_of_tokens_per_rank=max_tokens, num_local_experts=2)
+    shared = _Registered(world, spec)
+    gate = threading.Barrier(world)
+    ranks = []
+    for rank in range(world):
+        b = object.__new__(backend.CudaBackend)
+        b.spec, b.rank, b.world_size, b.device = spec, rank, world, 0
+        b.torch_device, b.lib, b.max_tokens = torch.device("cpu"), lib, shared.max_tokens
+        b._closed, b._status = False, torch.zeros(4, dtype=torch.int32)
+        b._view = lambda r, region, n, s=shared: s.regions[r][region][:n]
+        b._barrier = gate.wait
+        ranks.append(b)
+    return ranks
+
+
+def _run_threads(fns):
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(fns)) as pool:
+        futures = [pool.submit(fn) for fn in fns]
+        out = []
+        for f in futures:
+            try:
+                out.append(f.result(timeout=60))
+            except Exception as exc:  # each rank's outcome is its result
+                out.append(exc)
+        return out
+
+
+def _routing(tokens: int, world: int, seed: int) -> torch.Tensor:
+    return torch.rand(tokens, world * 2, generator=torch.Generator().manual_seed(seed)) < 0.4
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cuda_preprocess_equal_counts_matches_the_reference_layout(fake, world):
+    ranks = _emulated_backends(world, fake)
+    maps = [_routing(9, world, seed=r) for r in range(world)]
+    handles = _run_threads([
+        (lambda b=b, m=m: b.preprocess(m, pad_multiple=4, num_permuted_tokens=None))
+        for b, m in zip(ranks, maps, strict=True)
+    ])  # fmt: skip
+    gmap = torch.stack(maps)
+    for rank, handle in enumerate(handles):
+        assert not isinstance(handle, Exception), handle
+        ref = layout.expert_positions(layout.local_expert_map(gmap, rank, 2), 4, None)
+        assert torch.equal(handle.tokens_per_expert, ref.tokens_per_expert)
+        assert int(handle.overflow_flag) == 0
+
+
+def test_cuda_preprocess_uneven_counts_raise_on_every_rank_when_blocking(fake):
+    """The torch backend's contract: every rank raises, naming the counts (no hang)."""
+    ranks = _emulated_backends(2, fake)
+    out = _run_threads([
+        (lambda b=b: b.preprocess(_routing(7 + 3 * b.rank, 2, b.rank), pad_multiple=1,
+                                  num_permuted_tokens=None))
+        for b in ranks
+    ])  # fmt: skip
+    for got in out:
+        assert isinstance(got, ValueError) and "different token counts [7, 10]" in str(got), got
+
+
+def test_cuda_preprocess_uneven_counts_set_the_overflow_flag_with_a_budget(fake):
+    ranks = _emulated_backends(2, fake)
+    out = _run_threads([
+        (lambda b=b: b.preprocess(_routing(7 + 3 * b.rank, 2, b.rank), pad_multiple=1,
+                                  num_permuted_tokens=64))
+        for b in ranks
+    ])  # fmt: skip
+    assert [int(h.overflow_flag) for h in out] == [1, 1], out
+    even = _emulated_backends(2, fake)
+    out = _run_threads([
+        (lambda b=b: b.preprocess(_routing(7, 2, b.rank), pad_multiple=1, num_permuted_tokens=64))
+        for b in even
+    ])  # fmt: skip
+    assert [int(h.overflow_flag) for h in out] == [0, 0], out
+
+
+def test_fp32_is_refused_before_anything_is_copied_into_registered_memory(fake):
+    """The token area holds 2-byte elements: an fp32 combine (or dispatch) must fail on its
+    dtype before N*H*4 bytes are written into it."""
+    (b,) = _emulated_backends(1, fake)
+
+    def tripwire(*args):
+        raise AssertionError("registered memory touched before the dtype check")
+
+    b._view, b._barrier = tripwire, tripwire
+    hidden = torch.zeros(4, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"16-bit hidden states.*float32.*backend='torch'"):
+        b.combine(hidden, None, None)
+    with pytest.raises(ValueError, match="16-bit hidden states"):
+        b.dispatch(hidden, None, None)
+
+
+def test_barrier_timeout_status_fails_the_call_naming_the_missing_rank(fake):
+    (b,) = _emulated_backends(1, fake)
+    from hybridep import build_hybridep_abi as abi
+    from hybridep.backends import BarrierTimeout
+
+    b._status[:3] = torch.tensor([abi.STATUS_BARRIER_TIMEOUT, 3, 17], dtype=torch.int32)
+    with pytest.raises(BarrierTimeout, match=r"waiting for rank 3 \(barrier epoch 17\)"):
+        b.preprocess(_routing(4, 1, 0), pad_multiple=1, num_permuted_tokens=None)
+    with pytest.raises(BarrierTimeout, match="barrier_timeout_s"):
+        b.combine(torch.zeros(4, 16, dtype=torch.bfloat16), None, None)
+
+
+class _AllocLib:
+    """Records the registered-memory calls of `_allocate`, `close` and the finalizer."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def art_hybridep_alloc(self, device, total, ptr_ref):
+        ptr_ref._obj.value = 0xA000
+        self.calls.append(("alloc", total))
+        return 0
+
+    def art_hybridep_ipc_handle(self, device, ptr, handle):
+        handle.raw = b"h" * 64
+        return 0
+
+    def art_hybridep_ipc_open(self, device, handle, ptr_ref):
+        ptr_ref._obj.value = 0xB000
+        self.calls.append(("ipc_open",))
+        return 0
+
+    def art_hybridep_ipc_close(self, device, ptr):
+        self.calls.append(("ipc_close", ptr))
+        return 0
+
+    def art_hybridep_free(self, device, ptr):
+        self.calls.append(("free", ptr))
+        return 0
+
+
+def _allocated_backend(monkeypatch, lib):
+    from hybridep.backends import BufferSpec
+
+    monkeypatch.setattr(backend.dist, "all_gather_object", lambda out, obj, group=None:
+                        out.__setitem__(slice(None), [obj, b"p" * 64]))  # fmt: skip
+    monkeypatch.setattr(backend.dist, "barrier", lambda group=None: lib.calls.append(("barrier",)))
+    monkeypatch.setattr(backend.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(backend, "_status_block", lambda: torch.zeros(4, dtype=torch.int32))
+    b = object.__new__(backend.CudaBackend)
+    b.group, b.rank, b.world_size, b.device = None, 0, 2, 0
+    b.torch_device, b.lib, b._finalizer = torch.device("cpu"), lib, None
+    b.spec = BufferSpec(hidden_dim=16, max_num_of_tokens_per_rank=8, num_local_experts=2)
+    b._allocate()
+    return b
+
+
+def test_a_dropped_backend_releases_its_memory_locally_without_collectives(monkeypatch):
+    import gc
+
+    lib = _AllocLib()
+    b = _allocated_backend(monkeypatch, lib)
+    del b
+    gc.collect()
+    assert lib.calls[-2:] == [("ipc_close", 0xB000), ("free", 0xA000)], lib.calls
+    assert ("barrier",) not in lib.calls
+
+
+def test_close_is_collective_and_the_finalizer_does_not_free_twice(monkeypatch):
+    import gc
+
+    lib = _AllocLib()
+    b = _allocated_backend(monkeypatch, lib)
+    b.close()
+    b.close()  # idempotent
+    del b
+    gc.collect()
+    released = [c for c in lib.calls if c[0] in ("ipc_close", "free", "barrier")]
+    assert released == [("barrier",), ("ipc_close", 0xB000), ("barrier",), ("free", 0xA000)]
+
+
+def test_grow_reallocates_collectively_for_the_larger_size(monkeypatch):
+    lib = _AllocLib()
+    b = _allocated_backend(monkeypatch, lib)
+    b.grow(200)
+    allocs = [c[1] for c in lib.calls if c[0] == "alloc"]
+    assert len(allocs) == 2 and allocs[1] > allocs[0]
+    assert b.max_tokens == 256 and b.spec.max_num_of_tokens_per_rank == 200
+    assert ("free", 0xA000) in lib.calls  # the old block went first
