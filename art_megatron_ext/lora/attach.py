@@ -6,6 +6,7 @@ import re
 
 import torch
 
+from .. import compat
 from .config import LoraConfig
 from .site import COLUMN, ROW, LoraSite, SiteInfo
 from .slots import install_recompute_capture
@@ -51,23 +52,120 @@ def local_expert_offset(experts: torch.nn.Module) -> int:
 def describe_linear(
     path: str, module: torch.nn.Module, modules: dict[str, torch.nn.Module]
 ) -> SiteInfo:
-    """What a LoRA site needs to know about the Megatron linear at `path`."""
+    """What a LoRA site needs to know about the Megatron linear at `path`.
+
+    Local-spec linears (`ColumnParallelLinear`, `RowParallelLinear`) are read through their
+    Megatron attributes, Transformer Engine wrappers (`TEColumnParallelLinear`,
+    `TERowParallelLinear`, `TELayerNormColumnParallelLinear`) through the attributes the
+    wrapper and TE set (see `compat.te_linear_class`); TE is never imported.
+    """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    target = path.rsplit(".", 1)[-1]
     if isinstance(module, ColumnParallelLinear):
         if module.gather_output:
             raise UnsupportedLinear(f"{path}: ColumnParallelLinear with gather_output=True")
-        kind, in_local, out_local = COLUMN, module.input_size, module.output_size_per_partition
-    elif isinstance(module, RowParallelLinear):
-        kind, in_local, out_local = ROW, module.input_size_per_partition, module.output_size
-    else:
-        raise UnsupportedLinear(
-            f"{path}: {type(module).__name__} is not a Megatron ColumnParallelLinear or "
-            "RowParallelLinear (LoRA needs the linear's own input: build the model with the "
-            "local spec, or a TE spec without layernorm fused into the linear)"
+        return _site_info(
+            path,
+            module,
+            modules,
+            kind=COLUMN,
+            in_local=module.input_size,
+            out_local=module.output_size_per_partition,
+            in_features=module.input_size,
+            out_features=module.output_size,
+            tp_group=module.tp_group,
+            sequence_parallel=bool(getattr(module, "sequence_parallel", False)),
+            explicit_expert_comm=bool(module.explicit_expert_comm),
+            input_is_parallel=True,
         )
-    tp_size, tp_rank = _group_size_rank(module.tp_group)
+    if isinstance(module, RowParallelLinear):
+        return _site_info(
+            path,
+            module,
+            modules,
+            kind=ROW,
+            in_local=module.input_size_per_partition,
+            out_local=module.output_size,
+            in_features=module.input_size,
+            out_features=module.output_size,
+            tp_group=module.tp_group,
+            sequence_parallel=bool(getattr(module, "sequence_parallel", False)),
+            explicit_expert_comm=bool(module.explicit_expert_comm),
+            input_is_parallel=bool(getattr(module, "input_is_parallel", True)),
+        )
+    if compat.te_linear_class(module) is not None:
+        return _describe_te_linear(path, module, modules)
+    raise UnsupportedLinear(
+        f"{path}: {type(module).__name__} is not a linear LoRA can wrap. Supported: Megatron's "
+        "ColumnParallelLinear and RowParallelLinear (local spec), TEColumnParallelLinear, "
+        "TERowParallelLinear and TELayerNormColumnParallelLinear (TE specs), and grouped expert "
+        "linears (TEColumnParallelGroupedLinear, TERowParallelGroupedLinear). Build the model "
+        "from Megatron's local or Transformer Engine GPT layer spec, or leave this module out "
+        "of LoraConfig.targets."
+    )
+
+
+def _describe_te_linear(path: str, module, modules) -> SiteInfo:
+    """A TE wrapper: local shapes from `weight` ([out, in] shard); `parallel_mode` None on a
+    column/row wrapper means Megatron left communication to the token dispatcher (experts)."""
+    te_class = compat.te_linear_class(module)
+    name = type(module).__name__
+    if te_class == compat.TE_DUPLICATED:
+        raise UnsupportedLinear(
+            f"{path}: {name} (Megatron TELinear, parallel_mode 'duplicated') is not a LoRA target;"
+            " LoRA wraps TEColumnParallelLinear, TERowParallelLinear and "
+            "TELayerNormColumnParallelLinear"
+        )
+    if getattr(module.weight, "gtp_remat_size", None) not in (None, 1):
+        raise UnsupportedLinear(f"{path}: {name} with GTP weight rematerialization")
+    layernorm = te_class == compat.TE_LAYERNORM_COLUMN
+    if layernorm and (
+        getattr(module, "return_layernorm_output", False)
+        or getattr(module, "return_layernorm_output_gathered", False)
+    ):
+        raise UnsupportedLinear(
+            f"{path}: {name} already returns its layernorm output to its caller; LoRA needs "
+            "that output (return_layernorm_output) for itself"
+        )
+    tp_group = compat.te_tp_group(module)
+    tp_size = _group_size_rank(tp_group)[0]
+    out_local, in_local = (int(n) for n in module.weight.shape)
+    column = te_class in (compat.TE_COLUMN, compat.TE_LAYERNORM_COLUMN)
+    return _site_info(
+        path,
+        module,
+        modules,
+        kind=COLUMN if column else ROW,
+        in_local=in_local,
+        out_local=out_local,
+        in_features=in_local if column else in_local * tp_size,
+        out_features=out_local * tp_size if column else out_local,
+        tp_group=tp_group,
+        sequence_parallel=bool(getattr(module, "sequence_parallel", False)),
+        explicit_expert_comm=module.parallel_mode is None,
+        input_is_parallel=True,
+        layernorm_input=layernorm,
+    )
+
+
+def _site_info(
+    path: str,
+    module,
+    modules,
+    *,
+    kind: str,
+    in_local: int,
+    out_local: int,
+    in_features: int,
+    out_features: int,
+    tp_group,
+    sequence_parallel: bool,
+    explicit_expert_comm: bool,
+    input_is_parallel: bool,
+    layernorm_input: bool = False,
+) -> SiteInfo:
+    target = path.rsplit(".", 1)[-1]
+    tp_size, tp_rank = _group_size_rank(tp_group)
     config = module.config
     qkv_layout = None
     if target == "linear_qkv":
@@ -83,20 +181,21 @@ def describe_linear(
         path=path,
         target=target,
         kind=kind,
-        in_features=module.input_size,
-        out_features=module.output_size,
+        in_features=in_features,
+        out_features=out_features,
         in_local=in_local,
         out_local=out_local,
         tp_size=tp_size,
         tp_rank=tp_rank,
-        sequence_parallel=bool(getattr(module, "sequence_parallel", False)) and tp_size > 1,
-        explicit_expert_comm=bool(module.explicit_expert_comm),
-        input_is_parallel=bool(getattr(module, "input_is_parallel", True)),
+        sequence_parallel=sequence_parallel and tp_size > 1,
+        explicit_expert_comm=explicit_expert_comm,
+        input_is_parallel=input_is_parallel,
         layer_number=_layer_number(path, modules),
         expert_index=_expert_index(path, modules),
         gated=bool(config.gated_linear_unit) and target == "linear_fc1",
         in_shared_experts=".shared_experts." in f".{path}.",
         qkv_layout=qkv_layout,
+        layernorm_input=layernorm_input,
     )
 
 
@@ -133,6 +232,8 @@ def attach_lora(
     sites = []
     for module, info in found:
         site = _make_site(module, info, config)
+        if info.layernorm_input:  # TE's LayerNormLinear then also returns the normalized input
+            module.return_layernorm_output = True
         module.lora = site
         site.hook_handle = module.register_forward_hook(site.hook, with_kwargs=True)
         _route_sharded_state_dict(module, site)
@@ -184,6 +285,7 @@ def _make_site(module: torch.nn.Module, info: SiteInfo, config: LoraConfig) -> L
     weight = grouped_weight(module) if grouped else module.weight
     cls = GroupedLoraSite if grouped else LoraSite
     dtype = config.dtype or weight.dtype
-    site = cls(info, module.tp_group, config.padding, dtype=dtype, device=weight.device)
+    tp_group = compat.te_tp_group(module) if compat.te_linear_class(module) else module.tp_group
+    site = cls(info, tp_group, config.padding, dtype=dtype, device=weight.device)
     site.replicated_allreduce = bool(getattr(weight, "allreduce", True))
     return site

@@ -1,9 +1,10 @@
 """Write a slot as a PEFT LoRA adapter directory; read one back into a slot.
 
 `export_peft` is collective: every rank of the job calls it. Tensor-parallel shards are
-all-gathered over each site's tensor-parallel group, fused QKV and gate/up are split into the
-Hugging Face modules (see `hf_layout`), padding is dropped, and the pieces held by other
-pipeline stages / expert ranks are gathered to global rank 0, which writes
+gathered to the first rank of each site's tensor-parallel group, fused QKV and gate/up are
+split into the Hugging Face modules (see `hf_layout`), padding is dropped, and the pieces held
+by other pipeline stages / expert ranks are gathered to global rank 0 alone (no other rank
+receives the adapter), which writes
 `adapter_config.json` and `adapter_model.safetensors` (written to temporary names, then
 renamed, so a reader never sees half a directory).
 """
@@ -26,22 +27,36 @@ def _dist() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _gather(tensor: torch.Tensor, site: LoraSite) -> list[torch.Tensor]:
-    """This tensor from every rank of the site's tensor-parallel group, in rank order."""
+def _gather(tensor: torch.Tensor, site: LoraSite, everywhere: bool) -> list[torch.Tensor] | None:
+    """This tensor from every rank of the site's tensor-parallel group, in rank order: on every
+    rank (`everywhere`), else only on the group's first rank (None on the others)."""
     if site.info.tp_size == 1:
         return [tensor]
     tensor = tensor.contiguous()
-    out = [torch.empty_like(tensor) for _ in range(site.info.tp_size)]
-    torch.distributed.all_gather(out, tensor, group=site.tp_group)
+    if everywhere:
+        out = [torch.empty_like(tensor) for _ in range(site.info.tp_size)]
+        torch.distributed.all_gather(out, tensor, group=site.tp_group)
+        return out
+    first = site.info.tp_rank == 0
+    out = [torch.empty_like(tensor) for _ in range(site.info.tp_size)] if first else None
+    torch.distributed.gather(tensor, out, group=site.tp_group, group_dst=0)
     return out
 
 
-def _site_tensors(site: LoraSite, adapter, naming: HfNaming) -> dict[str, torch.Tensor]:
-    """HF key -> full logical tensor for one slot at one site (collective over its TP group)."""
+def _site_tensors(
+    site: LoraSite, adapter, naming: HfNaming, everywhere: bool = True
+) -> dict[str, torch.Tensor]:
+    """HF key -> full logical tensor for one slot at one site (collective over its TP group);
+    without `everywhere`, only the TP group's first rank gets them ({} on the others)."""
     a = logical_view(adapter.a).detach()
     b = logical_view(adapter.b).detach()
     column = site.info.kind.endswith("column")
-    a_shards, b_shards = ([a], _gather(b, site)) if column else (_gather(a, site), [b])
+    if column:
+        a_shards, b_shards = [a], _gather(b, site, everywhere)
+    else:
+        a_shards, b_shards = _gather(a, site, everywhere), [b]
+    if a_shards is None or b_shards is None:
+        return {}
     grouped = site.info.num_local_experts is not None
     experts = range(site.info.num_local_experts) if grouped else [None]
     out: dict[str, torch.Tensor] = {}
@@ -80,29 +95,39 @@ def _first_replica(info) -> bool:
 
 
 def collect_peft_tensors(
-    model: torch.nn.Module, slot: str, naming: HfNaming | None = None
+    model: torch.nn.Module, slot: str, naming: HfNaming | None = None, *, dst: int | None = 0
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """(HF key -> tensor, {"r": ..., "lora_alpha": ...}) for `slot`, gathered to every caller
-    on rank 0's side; collective."""
+    """(HF key -> tensor, {"r": ..., "lora_alpha": ...}) for `slot`; collective.
+
+    The tensors are gathered to global rank `dst` only (the other ranks get an empty dict, and
+    never hold another rank's pieces), or to every rank with `dst=None`. The (rank, alpha)
+    check runs on every rank, so all of them raise the same error."""
     naming = naming or HfNaming()
+    everywhere = dst is None
     tensors: dict[str, torch.Tensor] = {}
     shapes: set[tuple[int, float]] = set()
     for entry in iter_lora_sites(model):
         if entry.slot != slot:
             continue
-        site_tensors = _site_tensors(entry.site, entry.adapter, naming)  # collective over TP
+        site_tensors = _site_tensors(entry.site, entry.adapter, naming, everywhere)  # TP coll.
         if _first_replica(entry.site.info):
             tensors.update(site_tensors)
         shapes.add((entry.adapter.rank, entry.adapter.alpha))
     if _dist() and torch.distributed.get_world_size() > 1:
-        gathered = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, (tensors, shapes))
-        tensors, shapes = {}, set()
-        for part_tensors, part_shapes in gathered:
-            for key, value in part_tensors.items():
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        all_shapes = [None] * world
+        torch.distributed.all_gather_object(all_shapes, shapes)  # a few ints per rank
+        shapes = set().union(*all_shapes)
+        gathered = [None] * world if everywhere or rank == dst else None
+        if everywhere:
+            torch.distributed.all_gather_object(gathered, tensors)
+        else:
+            torch.distributed.gather_object(tensors, gathered, dst=dst)
+        tensors = {}
+        for part in gathered or ():
+            for key, value in part.items():
                 tensors.setdefault(key, value)
-            shapes |= part_shapes
-    if not tensors:
+    if not shapes:
         raise KeyError(f"no LoRA site of the model holds slot {slot!r}")
     if len(shapes) != 1:
         raise ValueError(
@@ -151,10 +176,10 @@ def export_peft(
     """
     from safetensors.torch import save_file
 
-    tensors, shape = collect_peft_tensors(model, slot, naming)
+    tensors, shape = collect_peft_tensors(model, slot, naming, dst=0)
     out = Path(out_dir)
     if _dist() and torch.distributed.get_rank() != 0:
-        return out
+        return out  # rank 0 alone received the tensors
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     tensors = {k: v.contiguous().cpu() for k, v in sorted(tensors.items())}

@@ -32,9 +32,18 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def megatron_state_from_hf(
-    hf: dict[str, torch.Tensor], shape, tp_rank: int = 0, tp_size: int = 1
+    hf: dict[str, torch.Tensor],
+    shape,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    *,
+    te_layernorm: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Megatron GPT state-dict entries (this TP rank's shards) from HF Llama tensors."""
+    """Megatron GPT state-dict entries (this TP rank's shards) from HF Llama tensors.
+
+    `te_layernorm`: the layer norms live in the layernorm-fused linears of a Transformer Engine
+    spec (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) instead of
+    `input_layernorm` / `pre_mlp_layernorm`."""
     qkv = SimpleNamespace(
         target="linear_qkv",
         gated=False,
@@ -59,8 +68,13 @@ def megatron_state_from_hf(
     }
     for i in range(shape.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        attn_norm, mlp_norm = (
+            ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
+            if te_layernorm
+            else ("input_layernorm.weight", "pre_mlp_layernorm.weight")
+        )
+        out[m + attn_norm] = hf[h + "input_layernorm.weight"]
+        out[m + mlp_norm] = hf[h + "post_attention_layernorm.weight"]
         q, k, v = (hf[h + f"self_attn.{p}_proj.weight"] for p in "qkv")
         out[m + "self_attention.linear_qkv.weight"] = fuse_b_shard(qkv, [q, k, v], tp_rank, tp_size)
         out[m + "self_attention.linear_proj.weight"] = cols(hf[h + "self_attn.o_proj.weight"])
@@ -79,8 +93,9 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str | Path, shape) -> Non
     hf = _read_safetensors(Path(model_dir))
     if "lm_head.weight" not in hf:  # tied embeddings
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
-    state = megatron_state_from_hf(hf, shape, tp_rank, tp_size)
     params = dict(model.named_parameters())
+    te_layernorm = any(name.endswith("linear_qkv.layer_norm_weight") for name in params)
+    state = megatron_state_from_hf(hf, shape, tp_rank, tp_size, te_layernorm=te_layernorm)
     missing = sorted(set(state) - set(params))
     if missing:
         raise KeyError(f"{model_dir}: Megatron model has no parameter {missing[0]}")

@@ -80,6 +80,7 @@ class SiteInfo:
     in_shared_experts: bool = False
     num_local_experts: int | None = None  # grouped sites: experts held by this rank
     qkv_layout: tuple[int, int, int] | None = None  # (query groups, q heads/group, head dim)
+    layernorm_input: bool = False  # TE layernorm-fused linear: LoRA reads its normalized input
 
     @property
     def stable_key(self) -> str:
@@ -236,7 +237,9 @@ class LoraSite(torch.nn.Module):
     # ---- Megatron distributed checkpointing ----------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """Dist-checkpoint entries: the TP-split factor sharded on the base weight's axis, the
-        replicated one replicated (Megatron's `make_sharded_tensors_for_checkpoint`)."""
+        replicated one replicated (Megatron's `make_sharded_tensors_for_checkpoint`); a gated
+        FC1's B split into its gate and up halves like the FC1 weight, so the checkpoint holds
+        [gate; up] in full and reloads at another TP size."""
         from megatron.core import parallel_state
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -247,7 +250,7 @@ class LoraSite(torch.nn.Module):
         if dp_cp_group is None:
             dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         state = self.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(
+        entries = make_sharded_tensors_for_checkpoint(
             state,
             prefix,
             axis_map,
@@ -255,6 +258,20 @@ class LoraSite(torch.nn.Module):
             tp_group=self.tp_group,
             dp_cp_group=dp_cp_group,
         )
+        if self.info.gated:  # B rows are [gate shard; up shard] per rank, as the FC1 weight
+            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+            singleton = bool((metadata or {}).get("singleton_local_shards", False))
+            for name in self.slots:
+                key = f"{prefix}slots.{name}.b"
+                entries[key] = apply_swiglu_sharded_factory(
+                    entries[key],
+                    sharded_offsets,
+                    singleton,
+                    tp_group=self.tp_group,
+                    dp_group=dp_cp_group,
+                )
+        return entries
 
     # ---- forward -------------------------------------------------------------------------
     def active_adapter(self) -> LoraAdapter | None:
@@ -299,11 +316,21 @@ class LoraSite(torch.nn.Module):
         return F.linear(h * adapter.scaling, b)
 
     def hook(self, module, args, kwargs, output):
-        """Forward hook on the base linear: add the active slot's delta to its output."""
+        """Forward hook on the base linear: add the active slot's delta to its output.
+
+        A layernorm-fused TE linear was switched to also return its normalized input
+        (`return_layernorm_output`); LoRA takes it as x, as PEFT's LoRA on an HF model sees
+        the output of the separate norm, and the hook returns the usual `(out, bias)`."""
+        if self.info.layernorm_input:
+            from .. import compat
+
+            out, bias, x = compat.te_layernorm_output(output)
+            output = (out, bias)
+        else:
+            x = args[0] if args else kwargs.get("input_", kwargs.get("x"))
         adapter = self.active_adapter()
         if adapter is None:
             return output
-        x = args[0] if args else kwargs["input_"]
         out, bias = output
         return out + self.delta(x, adapter).to(out.dtype), bias
 

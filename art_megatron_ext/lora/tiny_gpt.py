@@ -93,12 +93,16 @@ def build_gpt(
     num_experts: int | None = None,
     expert_parallel: int = 1,
     pipeline_parallel: int = 1,
+    layer_spec=None,
+    moe_grouped_gemm: bool = False,
 ):
     """A local-spec (no Transformer Engine) `GPTModel` on CPU; parallel state must be set.
 
     With `num_experts`, every MLP is a top-2 MoE of `SequentialMLP` experts (FFN width
     `intermediate_size`), split over `expert_parallel` ranks. With `pipeline_parallel` > 1
     this rank builds its stage (layers split evenly; embedding first, output layer last).
+    `layer_spec` replaces the local layer spec (e.g. a Transformer Engine spec, built from the
+    TE stand-in in tests); `moe_grouped_gemm` sets the config flag grouped expert specs use.
     """
     from megatron.core import parallel_state
 
@@ -113,6 +117,7 @@ def build_gpt(
             moe_router_load_balancing_type="none",
             moe_token_dispatcher_type="alltoall",
             expert_model_parallel_size=expert_parallel,
+            moe_grouped_gemm=moe_grouped_gemm,
         )
     import torch.nn.functional as F
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -151,7 +156,8 @@ def build_gpt(
     )
     return GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(sequence_parallel, shape.num_hidden_layers, num_experts),
+        transformer_layer_spec=layer_spec
+        or _layer_spec(sequence_parallel, shape.num_hidden_layers, num_experts),
         vocab_size=shape.vocab_size,
         max_sequence_length=max_sequence_length,
         position_embedding_type="rope",

@@ -51,6 +51,77 @@ def _loss(model, step: int) -> torch.Tensor:
     return model(tokens[:, :-1], positions, causal_mask(16), labels=tokens[:, 1:]).mean()
 
 
+def _te_spec(sequence_parallel: bool):
+    """Megatron's TE GPT layer spec built with the TE stand-in (see support/te_standin.py)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from support.te_standin import te_standin_layer_spec
+
+    from art_megatron_ext.lora.tiny_gpt import SequenceParallelRMSNorm
+
+    spec = te_standin_layer_spec()
+    if not sequence_parallel:
+        return spec
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * SHAPE["num_hidden_layers"], layer_norm=SequenceParallelRMSNorm
+    )
+
+
+def _tensor_elements(obj) -> int:
+    if torch.is_tensor(obj):
+        return obj.numel()
+    if isinstance(obj, dict):
+        return sum(_tensor_elements(v) for v in obj.values())
+    if isinstance(obj, (list, tuple, set)):
+        return sum(_tensor_elements(v) for v in obj)
+    return 0
+
+
+def _elements_received(fn) -> int:
+    """Tensor elements that land in this rank's output buffers of torch.distributed's gather
+    collectives while `fn` runs (a rank that receives nothing counts 0)."""
+    d = torch.distributed
+    outputs = {"all_gather": 0, "all_gather_object": 0, "gather": 1, "gather_object": 1}
+    names = {"gather": "gather_list", "gather_object": "object_gather_list"}
+    saved = {name: getattr(d, name) for name in outputs}
+    received = [0]
+
+    def wrap(name, original):
+        def collective(*args, **kwargs):
+            result = original(*args, **kwargs)
+            index = outputs[name]
+            out = args[index] if len(args) > index else kwargs.get(names.get(name, ""))
+            received[0] += _tensor_elements(out)
+            return result
+
+        return collective
+
+    for name, original in saved.items():
+        setattr(d, name, wrap(name, original))
+    try:
+        fn()
+    finally:
+        for name, original in saved.items():
+            setattr(d, name, original)
+    return received[0]
+
+
+def _load_renamed_(model, local_state: dict) -> None:
+    """Load a local-spec state dict into the TE-spec model (norms live in the fused linears)."""
+    renames = {
+        "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+        "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    }
+    state = {}
+    for key, value in local_state.items():
+        for old, new in renames.items():
+            if key.endswith(old) and ".layers." in key:
+                key = key[: -len(old)] + new
+        state[key] = value
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not missing, missing
+    assert all(k.endswith("_extra_state") for k in unexpected), unexpected  # local linears'
+
+
 def _tp_case(world_size: int, sequence_parallel_runs, out_dir: str) -> dict:
     from megatron.core import parallel_state
 
@@ -60,16 +131,28 @@ def _tp_case(world_size: int, sequence_parallel_runs, out_dir: str) -> dict:
     from art_megatron_ext.lora.slot_ops import import_peft
     from art_megatron_ext.lora.tiny_gpt import GptShape, build_gpt
 
-    results = {}
+    results, initial = {}, {}
     parallel_state.initialize_model_parallel(world_size, 1)
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    runs = [("local", sp) for sp in sequence_parallel_runs]
+    if world_size > 1:  # the TE spec (stand-in) at TP=2 against the local spec at TP=1
+        runs += [("te", sp) for sp in sequence_parallel_runs]
     try:
         with cpu_megatron():
-            for sp in sequence_parallel_runs:
+            for spec, sp in runs:
                 torch.manual_seed(0)
                 model = build_gpt(
-                    GptShape(**SHAPE), tensor_parallel=world_size, sequence_parallel=sp
+                    GptShape(**SHAPE),
+                    tensor_parallel=world_size,
+                    sequence_parallel=sp,
+                    layer_spec=_te_spec(sp) if spec == "te" else None,
                 )
+                if spec == "local":
+                    initial[sp] = {
+                        k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)
+                    }
+                else:  # the local model's initial weights, under their TE names
+                    _load_renamed_(model, initial[sp])
                 attach_lora(model, LoraConfig(rank=8, alpha=16.0))
                 params = [p for p in model.parameters() if p.requires_grad]
                 # SGD keeps float rounding differences linear (Adam's first step is ~lr*sign(g))
@@ -85,17 +168,21 @@ def _tp_case(world_size: int, sequence_parallel_runs, out_dir: str) -> dict:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     losses.append(loss.item())
-                tensors, _ = collect_peft_tensors(model, "default")
-                export_peft(model, "default", f"{out_dir}/sp{int(sp)}", "tiny")
+                tensors, _ = collect_peft_tensors(model, "default", dst=None)
+                export_dir = f"{out_dir}/{spec}_sp{int(sp)}"
+                received = _elements_received(
+                    lambda: export_peft(model, "default", export_dir, "tiny")  # noqa: B023
+                )
                 torch.distributed.barrier()  # rank 0 has written the directory
-                import_peft(model, "copy", f"{out_dir}/sp{int(sp)}")  # each rank its shards
-                copied, _ = collect_peft_tensors(model, "copy")
+                import_peft(model, "copy", export_dir)  # each rank its shards
+                copied, _ = collect_peft_tensors(model, "copy", dst=None)
                 round_trip = copied.keys() == tensors.keys() and all(
                     torch.equal(copied[k], tensors[k]) for k in tensors
                 )
                 marked = [p for p in params if getattr(p, "sequence_parallel", False)]
                 sharded = _lora_sharding(model) if not sp else {}
-                results[sp] = {
+                results[sp if spec == "local" else (spec, sp)] = {
+                    "received_by_export": received,
                     "losses": losses,
                     "tensors": {k: v.numpy() for k, v in tensors.items()},  # plain pickles
                     "sp_marked": len(marked),
@@ -159,7 +246,7 @@ def _ep_case(world_size: int) -> dict:
             local = {}
             for entry in iter_lora_sites(model):
                 local.update(_site_tensors(entry.site, entry.adapter, None))
-            gathered, _ = collect_peft_tensors(model, "default")
+            gathered, _ = collect_peft_tensors(model, "default", dst=None)
     finally:
         parallel_state.destroy_model_parallel()
     as_numpy = lambda d: {k: v.numpy() for k, v in d.items()}  # noqa: E731 (plain pickles)
@@ -182,7 +269,7 @@ def _pp_case(world_size: int) -> dict:
             attach_lora(model, LoraConfig(rank=4, alpha=8.0))
             layers = sorted({e.site.info.layer_number for e in iter_lora_sites(model)})
             _seeded_b_(model)
-            gathered, _ = collect_peft_tensors(model, "default")
+            gathered, _ = collect_peft_tensors(model, "default", dst=None)
     finally:
         parallel_state.destroy_model_parallel()
     return {"layers": layers, "gathered": {k: v.numpy() for k, v in gathered.items()}}
@@ -230,12 +317,42 @@ def test_tp2_adapter_equals_tp1_adapter(tp_runs, sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp2_export_is_written_once_with_gathered_tensors(tp_runs, sequence_parallel):
     root, _, tp2 = tp_runs
-    written = load_file(root / "two" / f"sp{int(sequence_parallel)}" / "adapter_model.safetensors")
+    export_dir = root / "two" / f"local_sp{int(sequence_parallel)}"
+    written = load_file(export_dir / "adapter_model.safetensors")
     collected = tp2[0][sequence_parallel]["tensors"]
     assert written.keys() == collected.keys()
     assert all(torch.equal(written[k], collected[k]) for k in written)
     q_b = written["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
     assert tuple(q_b.shape) == (128, 8)  # both ranks' query groups, unpadded
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_te_spec_tp2_adapter_equals_local_spec_tp1_adapter(tp_runs, sequence_parallel):
+    """TE linears (stand-in; layernorm fused into QKV and FC1) follow the same TP rules as
+    the local ones: trained at TP=2 from the same weights they export the TP=1 local adapter."""
+    root, tp1, tp2 = tp_runs
+    ref = tp1[0][False]
+    for rank in (0, 1):
+        got = tp2[rank][("te", sequence_parallel)]
+        assert got["tensors"].keys() == ref["tensors"].keys()
+        for key, want in ref["tensors"].items():
+            torch.testing.assert_close(got["tensors"][key], want, rtol=0, atol=ATOL)
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert got["round_trip"]
+    assert got["sp_marked"] > 0 if sequence_parallel else got["sp_marked"] == 0
+    written = load_file(
+        root / "two" / f"te_sp{int(sequence_parallel)}" / "adapter_model.safetensors"
+    )
+    assert written.keys() == ref["tensors"].keys()
+
+
+def test_export_gathers_the_adapter_to_the_writing_rank_only(tp_runs):
+    """export_peft used to all_gather_object the whole adapter (and all-gather every TP
+    shard) to every rank; now only rank 0, which writes, receives tensors."""
+    _, _, tp2 = tp_runs
+    for run in tp2[0]:
+        assert tp2[0][run]["received_by_export"] > 0, run
+        assert tp2[1][run]["received_by_export"] == 0, run
 
 
 def test_sequence_parallel_marks_the_replicated_factors(tp_runs):
