@@ -1,13 +1,22 @@
-"""In-flight LoRA updates: latency, and generation throughput under updates, against stock vLLM.
+"""In-flight LoRA updates: engine stall, latency, and throughput under updates, against stock vLLM.
 
-Runs in `.venv-serve` on the tiny model (`make tiny` first), one run, same server settings:
+Runs in `.venv-serve` on the tiny model (`make tiny` first):
 
-1. update latency over N updates (HTTP round trip and in-engine time), p50 / p99;
-2. generation throughput (tokens/s, C concurrent clients) with an update every 0.5 s, against
-   the same load with no updates (goal >= 0.95);
-3. the same update schedule on stock vLLM through `/v1/load_lora_adapter` with
+1. engine stall per update, from EngineCore's own timestamps (`/art/v1/engine` `stalls_ms`:
+   the time the step loop was held by the update's utility calls, stage + commit), p50 / p99,
+   next to the mean engine step time of the same run, under load (C clients), for the tiny
+   adapter (r=8) and one 32x larger (r=256, `--max-lora-rank 256`; written once to
+   `.cache/bench-adapters/`). Goal: p50 <= 1 ms for both;
+2. update latency over N updates (HTTP round trip), p50 / p99;
+3. generation throughput (tokens/s, C concurrent clients) with an update every 0.5 s, against
+   the same load with no updates (goal >= 0.95), phases interleaved over the rounds;
+4. the same update schedule on stock vLLM through `/v1/load_lora_adapter` with
    `load_inplace: true` (the baseline a user has without the plugin): ratio of throughputs;
-4. throughput with the plugin selected against stock vLLM without it, no updates (goal >= 0.98).
+5. throughput with the plugin selected against stock vLLM without it, no updates (goal >= 0.98).
+
+One server at a time (the host rule on shared machines): the plugin server runs its phases,
+then the stock server runs its own; ratios across the two servers therefore compare periods
+minutes apart, which is noisier than the interleaved plugin-only ratio.
 
 Usage: .venv-serve/bin/python bench/inflight_update.py [--seconds 8] [--rounds 3] [--updates 100]
 Table values are medians over the rounds.
@@ -76,6 +85,75 @@ def adapters() -> list[Path]:
     return [TINY / "adapters" / n for n in ("a", "b", "c")]
 
 
+LARGE_RANK = 256
+LARGE_DIR = Path(".cache/bench-adapters") / f"r{LARGE_RANK}"
+
+
+def large_adapters() -> list[Path]:
+    """Three r=256 adapters of the tiny model (32x the r=8 files), written once."""
+    from art_vllm_plugin.tiny_model import TinyModelConfig, write_adapter
+
+    cfg = TinyModelConfig(lora_rank=LARGE_RANK)
+    out = []
+    for i, name in enumerate(("a", "b", "c")):
+        path = LARGE_DIR / name
+        if not (path / "adapter_model.safetensors").exists():
+            write_adapter(cfg, TINY / "model", i, path)
+        out.append(path)
+    return out
+
+
+def size_of(path: Path) -> int:
+    return (path / "adapter_model.safetensors").stat().st_size
+
+
+async def engine_state(url: str) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        return (await http.get("/art/v1/engine")).json()
+
+
+async def stall_under_load(url: str, paths: list[Path], n: int, clients: int, start_version: int):
+    """n updates 0.1 s apart while C clients generate; returns (stalls ms, mean step ms)."""
+    before = len((await engine_state(url))["stalls_ms"])
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        done = asyncio.Event()
+
+        async def client(i: int):
+            j = 0
+            while not done.is_set():
+                resp = await http.post(
+                    "/v1/completions",
+                    json={
+                        "model": "policy",
+                        "prompt": f"{PROMPT} {i} {j}",
+                        "max_tokens": 64,
+                        "temperature": 0.8,
+                        "ignore_eos": True,
+                    },
+                )
+                resp.raise_for_status()
+                j += 1
+
+        async def updater():
+            await asyncio.sleep(1.0)
+            for k in range(n):
+                resp = await http.post(
+                    "/art/v1/lora/update",
+                    json={
+                        "slot": "policy",
+                        "path": str(paths[k % len(paths)].resolve()),
+                        "version": start_version + k,
+                    },
+                )
+                resp.raise_for_status()
+                await asyncio.sleep(0.1)
+            done.set()
+
+        await asyncio.gather(updater(), *(client(i) for i in range(clients)))
+    state = await engine_state(url)
+    return state["stalls_ms"][before:], state["mean_step_ms"]
+
+
 def plugin_updater(start_version: int):
     async def update(http, k):
         resp = await http.post(
@@ -104,7 +182,7 @@ async def stock_updater(http, k):
 
 
 async def latency(url: str, n: int, start_version: int):
-    http_ms, engine_ms = [], []
+    http_ms, engine_ms = [], []  # engine_ms: the commit call alone
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         for k in range(n):
             t0 = time.perf_counter()
@@ -122,17 +200,16 @@ async def latency(url: str, n: int, start_version: int):
     return http_ms, engine_ms
 
 
-def config(plugin: bool) -> serve_process.ServeConfig:
+def config(plugin: bool, start: Path | None = None, rank: int = 8) -> serve_process.ServeConfig:
+    start = start or TINY / "adapters" / "a"
+    args = list(serve_process.tiny_lora_args())
+    args[args.index("--max-lora-rank") + 1] = str(rank)
     return serve_process.ServeConfig(
         model=str(TINY / "model"),
-        args=(
-            *serve_process.tiny_lora_args(),
-            "--lora-modules",
-            f"policy={(TINY / 'adapters' / 'a').resolve()}",
-        ),
+        args=(*args, "--lora-modules", f"policy={start.resolve()}"),
         plugin=plugin,
         env={} if plugin else {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
-        log_path=Path(f".cache/logs/bench-inflight-{'art' if plugin else 'stock'}.log"),
+        log_path=Path(f".cache/logs/bench-inflight-{'art' if plugin else 'stock'}-r{rank}.log"),
     )
 
 
@@ -144,47 +221,70 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    parser.add_argument("--stall-updates", type=int, default=50)
+    args = parser.parse_args()
     run = asyncio.run
-    print(
-        f"[bench] starting the plugin server and a stock server (both stay up; phases are "
-        f"interleaved over {args.rounds} rounds so machine noise hits both alike)"
-    )
-    with (
-        serve_process.serving(config(plugin=True)) as art,
-        serve_process.serving(config(plugin=False)) as stock,
-    ):
-        for srv in (art, stock):
-            run(load(srv.url, 3, args.clients, None, None))  # warm-up
-        http_ms, engine_ms = run(latency(art.url, args.updates, 1))
-        seen = {"art_idle": [], "art_upd": [], "stock_idle": [], "stock_upd": []}
-        n_art = n_stock = 0
+    big = large_adapters()
+    ratio = size_of(big[0]) / size_of(adapters()[0])
+    print(f"[bench] r={LARGE_RANK} adapter is {ratio:.0f}x the r=8 adapter's file size")
+    stall = {}
+    seen = {"art_idle": [], "art_upd": [], "stock_idle": [], "stock_upd": []}
+    n_art = n_stock = 0
+    print("[bench] plugin server, r=8: stall, latency, throughput rounds")
+    with serve_process.serving(config(plugin=True)) as art:
+        run(load(art.url, 3, args.clients, None, None))  # warm-up
+        stall["r8"] = run(
+            stall_under_load(art.url, adapters(), args.stall_updates, args.clients, 1)
+        )
+        http_ms, engine_ms = run(latency(art.url, args.updates, 1000))
         version = 10_000
         for r in range(args.rounds):
-            print(f"[bench] round {r + 1}/{args.rounds}: 4 phases of {args.seconds:.0f}s")
+            print(f"[bench] round {r + 1}/{args.rounds}: plugin, idle and with updates")
             seen["art_idle"].append(run(load(art.url, args.seconds, args.clients, None, None))[0])
-            seen["stock_idle"].append(
-                run(load(stock.url, args.seconds, args.clients, None, None))[0]
-            )
             tps, n = run(
                 load(art.url, args.seconds, args.clients, args.every, plugin_updater(version))
             )
             seen["art_upd"].append(tps)
             n_art += n
             version += 1000
+    print(f"[bench] plugin server, r={LARGE_RANK}: stall")
+    with serve_process.serving(config(plugin=True, start=big[0], rank=LARGE_RANK)) as art:
+        run(load(art.url, 3, args.clients, None, None))
+        stall["big"] = run(stall_under_load(art.url, big, args.stall_updates, args.clients, 1))
+    print("[bench] stock server: throughput rounds")
+    with serve_process.serving(config(plugin=False)) as stock:
+        run(load(stock.url, 3, args.clients, None, None))
+        for r in range(args.rounds):
+            print(f"[bench] round {r + 1}/{args.rounds}: stock, idle and with load_inplace")
+            seen["stock_idle"].append(
+                run(load(stock.url, args.seconds, args.clients, None, None))[0]
+            )
             tps, n = run(load(stock.url, args.seconds, args.clients, args.every, stock_updater))
             seen["stock_upd"].append(tps)
             n_stock += n
     art_idle, art_upd, stock_idle, stock_upd = (
         statistics.median(seen[k]) for k in ("art_idle", "art_upd", "stock_idle", "stock_upd")
     )
-    rows = [
+    rows = []
+    for key, label in (("r8", "r=8"), ("big", f"r={LARGE_RANK} ({ratio:.0f}x the bytes)")):
+        stalls, step_ms = stall[key]
+        rows.append(
+            (
+                f"engine stall per update, {label}, under load",
+                f"p50 {statistics.median(stalls):.2f} ms, p99 {pct(stalls, 0.99):.2f} ms "
+                f"({len(stalls)} updates; goal p50 <= 1 ms)",
+                f"mean step {step_ms:.2f} ms; "
+                f"p50 stall / step {statistics.median(stalls) / step_ms:.2f}",
+            )
+        )
+    rows += [
         (
             "update latency, HTTP round trip",
             f"p50 {statistics.median(http_ms):.1f} ms",
             f"p99 {pct(http_ms, 0.99):.1f} ms",
         ),
         (
-            "update latency, in engine",
+            "update commit call, in engine",
             f"p50 {statistics.median(engine_ms):.2f} ms",
             f"p99 {pct(engine_ms, 0.99):.2f} ms",
         ),

@@ -88,15 +88,24 @@ def _as_list(x) -> list:
     return x if isinstance(x, list) else [x]
 
 
+def _as_written(module, lora_a, lora_b) -> tuple[list, list]:
+    """A/B as `set_lora` writes them into this worker's stacked tensors: packed groups
+    expanded to the layer's slices, then this rank's tensor-parallel shard."""
+    if isinstance(lora_b, list) and len(lora_b) != getattr(module, "n_slices", len(lora_b)):
+        lora_a, lora_b = module.expand_packed_lora(lora_a, lora_b)
+    if getattr(module, "tp_size", 1) > 1:
+        lora_a, lora_b = module.slice_lora_a(lora_a), module.slice_lora_b(lora_b)
+    return _as_list(lora_a), _as_list(lora_b)
+
+
 def _check_fits(manager, lora_model) -> None:
     for module_name, module in compat.lora_modules(manager).items():
         weights = compat.module_lora_weights(manager, lora_model, module_name)
         if not weights:
             continue
-        for i, (a, b) in enumerate(
-            zip(_as_list(weights.lora_a), _as_list(weights.lora_b), strict=False)
-        ):
-            if a is None:
+        a_list, b_list = _as_written(module, weights.lora_a, weights.lora_b)
+        for i, (a, b) in enumerate(zip(a_list, b_list, strict=False)):
+            if a is None or b is None:
                 continue
             a_slot = module.lora_a_stacked[i].shape  # [max_loras, 1, max_rank, in]
             b_slot = module.lora_b_stacked[i].shape  # [max_loras, 1, out, max_rank]

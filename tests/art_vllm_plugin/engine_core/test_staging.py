@@ -1,0 +1,166 @@
+"""Read and validate once, stage on every worker, commit all or nothing.
+
+The server runs two tensor-parallel workers (`-tp 2`, one core each), so "all workers" means
+more than one. A commit failure is injected with the test-only fault hook (`ART_TEST_HOOKS=1`
+enables `POST /art/v1/test/fault`): the named worker fails after writing its new weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from support.adapters import copy_adapter, edit_config
+
+from art_vllm_plugin import serve_process, staging
+from art_vllm_plugin.adapters import (
+    WEIGHTS_FILE,
+    AdapterError,
+    read_and_validate,
+    read_signature,
+    validate_adapter,
+)
+from art_vllm_plugin.client import ArtClient, ArtError
+
+PROMPT = "the policy model learns from the reward and the trainer sends"
+
+
+def test_update_tensor_dtype_must_match_the_slots_tensor(tiny_adapters, tmp_path):
+    reference = read_signature(tiny_adapters / "a")
+    dst = copy_adapter(tiny_adapters / "b", tmp_path / "bf16")
+    tensors = load_file(dst / WEIGHTS_FILE)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].to(torch.bfloat16)  # an allowed dtype, not the slot's
+    save_file(tensors, dst / WEIGHTS_FILE, metadata={"format": "pt"})
+    want = reference.dtypes[name]
+    with pytest.raises(
+        AdapterError, match=f"{name} has dtype BF16, but slot 'policy'.s tensor is {want}"
+    ):
+        validate_adapter(dst, "policy", reference, max_rank=8)
+
+
+def test_the_bytes_validated_are_the_bytes_staged(tiny_adapters, tmp_path):
+    src = copy_adapter(tiny_adapters / "b", tmp_path / "src")
+    files = read_and_validate(src, "policy", read_signature(tiny_adapters / "a"), 8)
+    (src / WEIGHTS_FILE).write_bytes(b"rewritten by the trainer")  # after the read
+    stage_dir = staging.new_stage_dir(staging.StagingConfig(tmp_path), "policy", 1)
+    staging.write_files(stage_dir, files.as_files())
+    assert (stage_dir / WEIGHTS_FILE).read_bytes() == (
+        tiny_adapters / "b" / WEIGHTS_FILE
+    ).read_bytes()
+    staging.mark(stage_dir, 0, True)
+    staging.mark(stage_dir, 1, False, "adapter\nValueError: bad")
+    assert staging.poll(stage_dir, [0, 1]) == ([0], {1: "adapter\nValueError: bad"})
+    staging.remove(stage_dir)
+    assert not stage_dir.exists()
+
+
+def _two_cpus() -> str:
+    cpus = sorted(os.sched_getaffinity(0))
+    return f"{cpus[0]}|{cpus[1 % len(cpus)]}"
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    return tmp_path_factory.mktemp("staging-adapters")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tiny_adapters, server_log, scratch):
+    a, b = tiny_adapters / "a", tiny_adapters / "b"
+    config = serve_process.ServeConfig(
+        model=str(tiny_model),
+        args=(
+            *serve_process.tiny_lora_args(max_loras=2),
+            "--tensor-parallel-size",
+            "2",
+            "--lora-modules",
+            f"policy={a}",
+            f"ref_b={b}",
+            "--art-adapter-root",
+            str(tiny_adapters),
+            "--art-adapter-root",
+            str(scratch),
+        ),
+        # One OpenMP core per worker (vLLM cannot pick two NUMA nodes on this host).
+        env={"ART_TEST_HOOKS": "1", "VLLM_CPU_OMP_THREADS_BIND": _two_cpus()},
+        log_path=server_log,
+    )
+    with serve_process.serving(config) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def art(server):
+    with ArtClient(server.url, timeout=300) as client:
+        yield client
+
+
+def tokens(server, model="policy") -> list[int]:
+    resp = httpx.post(
+        server.url + "/v1/completions",
+        json={
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+        timeout=300,
+    )
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["token_ids"]
+
+
+def _version(art) -> int:
+    return {s["slot"]: s["version"] for s in art.slots()}["policy"]
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_commit_failing_on_one_worker_restores_every_worker_and_is_500(
+    server, art, tiny_adapters, rank
+):
+    before_version, before = _version(art), tokens(server)
+    assert before != tokens(server, "ref_b")
+    armed = httpx.post(
+        server.url + "/art/v1/test/fault", json={"kind": "commit", "rank": rank}, timeout=60
+    )
+    assert armed.status_code == 200, armed.text
+    with pytest.raises(ArtError) as err:
+        art.update("policy", tiny_adapters / "b", before_version + 1)
+    assert err.value.status == 500, err.value  # the engine failed, not the adapter (422)
+    assert f"injected commit failure on rank {rank}" in err.value.message
+    assert "every worker restored its previous weights" in err.value.message
+    assert f"keeps serving version {before_version}" in err.value.message
+    assert _version(art) == before_version
+    assert tokens(server) == before, "a worker kept the new weights"
+    engine = httpx.get(server.url + "/art/v1/engine", timeout=60).json()
+    assert engine["failed_commits"] >= 1
+    # The engine is fine: the same update then commits on both workers.
+    assert art.update("policy", tiny_adapters / "b", before_version + 1)["version"] == (
+        before_version + 1
+    )
+    assert tokens(server) == tokens(server, "ref_b")
+    art.update("policy", tiny_adapters / "a", before_version + 2)
+    assert tokens(server) == before
+
+
+def test_an_adapter_the_workers_loader_refuses_is_422(server, art, tiny_adapters, scratch):
+    def bias(cfg):
+        cfg["bias"] = "all"  # passes the API's checks; vLLM's loader refuses it
+
+    bad = edit_config(tiny_adapters / "b", scratch / "bias", bias)
+    assert json.loads((bad / "adapter_config.json").read_text())["bias"] == "all"
+    before_version, before = _version(art), tokens(server)
+    with pytest.raises(ArtError) as err:
+        art.update("policy", bad, before_version + 1)
+    assert err.value.status == 422
+    assert "engine refused the adapter" in err.value.message
+    assert "bias is not supported" in err.value.message
+    assert f"keeps serving version {before_version}" in err.value.message
+    assert _version(art) == before_version and tokens(server) == before
