@@ -16,6 +16,7 @@ rejects `--plugin`; use `VLLM_PLUGINS=other,art` instead.
 from __future__ import annotations
 
 import argparse
+import os
 
 from art_vllm_plugin.selection import PLUGIN_NAME, select
 
@@ -67,6 +68,20 @@ def _path_map_arg(value: str) -> str:
     return value
 
 
+class CpuLayoutAction(argparse.Action):
+    """`--art-cpu-layout {auto,off}`: exported to the EngineCore process it concerns.
+
+    EngineCore is started by this (API-server) process after parsing and inherits its
+    environment, so the choice travels as `ART_VLLM_CPU_LAYOUT` (also a documented override).
+    """
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from art_vllm_plugin.engine_core.core_pinning import ENV_VAR, CpuLayoutConfig
+
+        setattr(namespace, self.dest, CpuLayoutConfig(mode=values))
+        os.environ[ENV_VAR] = values
+
+
 def add_art_options(parser: argparse.ArgumentParser) -> None:
     """The art plugin's own serve options (inert unless the plugin is selected)."""
     if "--art-adapter-root" in parser._option_string_actions:
@@ -87,6 +102,15 @@ def add_art_options(parser: argparse.ArgumentParser) -> None:
         metavar="TRAINER_PREFIX=SERVER_PREFIX",
         help="Translate adapter paths published by a trainer to paths on this server "
         "(repeatable; the longest matching prefix wins).",
+    )
+    group.add_argument(
+        "--art-cpu-layout",
+        choices=("auto", "off"),
+        action=CpuLayoutAction,
+        dest="art_cpu_layout",
+        help="CPU hosts with few cores: `auto` (default) lets EngineCore share the worker's "
+        "core so the API server keeps a core of its own (answers /health and updates during "
+        "generation); `off` leaves vLLM's layout. Env override: ART_VLLM_CPU_LAYOUT.",
     )
 
 

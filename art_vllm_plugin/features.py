@@ -1,41 +1,101 @@
-"""The plugin's features and whether each is enabled in this server.
+"""The plugin's features and whether each is really on in this server.
 
 `GET /art/v1/capabilities` reports this table so a trainer can check, before it relies on a
-behaviour, that the server it talks to has it. A feature is listed from the start with
-`enabled: False` until the code that provides it exists and is switched on.
+behaviour, that the server it talks to has it. A feature's state comes from the running
+server (`ServerFacts`, recorded by the endpoint plugin when the API server starts), not from a
+constant: in-flight updates, for example, are off on a server started without
+`--enable-lora`, and the report says why.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What the API server knows about its own configuration, at start."""
+
+    lora_enabled: bool
+    prefix_caching: bool
+    api_key: bool
+    #: CPUs EngineCore was confined to by the CPU layout, or None when it was left alone.
+    cpu_layout_cpus: tuple[int, ...] | None = None
+    #: Slots refused for updates (e.g. a hub id instead of a local directory): name -> reason.
+    refused_slots: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
 class Feature:
     name: str
     description: str
-    enabled: bool
+    #: None when the feature is on for `facts`, else the reason it is off.
+    off_reason: Callable[[ServerFacts], str | None]
+
+
+def _always(_: ServerFacts) -> str | None:
+    return None
+
+
+def _needs_lora(facts: ServerFacts) -> str | None:
+    return None if facts.lora_enabled else "the server was started without --enable-lora"
+
+
+def _needs_lora_and_prefix_cache(facts: ServerFacts) -> str | None:
+    if not facts.lora_enabled:
+        return "the server was started without --enable-lora"
+    return None if facts.prefix_caching else "prefix caching is off (--no-enable-prefix-caching)"
+
+
+def _needs_api_key(facts: ServerFacts) -> str | None:
+    return None if facts.api_key else "no API key is configured (--api-key / VLLM_API_KEY)"
+
+
+def _needs_cpu_layout(facts: ServerFacts) -> str | None:
+    if facts.cpu_layout_cpus is not None:
+        return None
+    return "not applied: --art-cpu-layout off, not a CPU host, or enough cores (see README)"
 
 
 _FEATURES: dict[str, Feature] = {}
 
 
-def _declare(name: str, description: str, enabled: bool) -> None:
-    _FEATURES[name] = Feature(name, description, enabled)
+def _declare(name: str, description: str, off_reason=_always) -> None:
+    _FEATURES[name] = Feature(name, description, off_reason)
 
 
-_declare("capabilities", "GET /art/v1/capabilities", True)
-_declare("cli_plugin_flag", "`vllm serve --plugin art` selects the plugin", True)
-_declare("inflight_lora_update", "atomic in-place LoRA slot updates between engine steps", True)
+_declare("capabilities", "GET /art/v1/capabilities")
+_declare("cli_plugin_flag", "`vllm serve --plugin art` selects the plugin")
+_declare(
+    "inflight_lora_update",
+    "atomic in-place LoRA slot updates between engine steps",
+    _needs_lora,
+)
 _declare(
     "policy_spans",
     "per-token policy-version spans on every choice, streaming chunks included",
-    True,
 )
-_declare("prefix_cache_salting", "prefix-cache salt derived from the slot's policy version", True)
-_declare("exact_aliases", "model name slot@N serves exactly version N or is refused", True)
-_declare("guarded_routes", "/art routes need the API key when one is set", True)
-_declare("metrics", "GET /art/metrics fast JSON snapshot", True)
+_declare(
+    "prefix_cache_salting",
+    "prefix-cache salt derived from the slot's policy version",
+    _needs_lora_and_prefix_cache,
+)
+_declare("exact_aliases", "model name slot@N serves exactly version N or is refused", _needs_lora)
+_declare("guarded_routes", "/art routes need the API key when one is set", _needs_api_key)
+_declare("metrics", "GET /art/metrics fast JSON snapshot")
+_declare(
+    "cpu_layout",
+    "EngineCore shares the worker's core so the API server keeps one (small CPU hosts)",
+    _needs_cpu_layout,
+)
+
+#: Set once per API server by the endpoint plugin (`record_facts`).
+_FACTS: list[ServerFacts] = []
+
+
+def record_facts(facts: ServerFacts) -> None:
+    _FACTS[:] = [facts]
 
 
 def activate_all() -> None:
@@ -45,18 +105,27 @@ def activate_all() -> None:
     in the API server.
     """
     from art_vllm_plugin import compat
-    from art_vllm_plugin.engine_core import slot_updates
+    from art_vllm_plugin.engine_core import core_pinning, slot_updates
     from art_vllm_plugin.worker import lora_slot_writer
 
     slot_updates.install(compat.engine_core_class())
     lora_slot_writer.install(compat.worker_base_class())
+    core_pinning.install(compat.engine_core_proc_classes())
 
 
 def snapshot() -> dict[str, dict[str, object]]:
-    return {
-        f.name: {"enabled": f.enabled, "description": f.description} for f in _FEATURES.values()
-    }
+    """Each feature's state: `enabled`, `description`, and `reason` when it is off."""
+    out: dict[str, dict[str, object]] = {}
+    for f in _FEATURES.values():
+        reason = f.off_reason(_FACTS[0]) if _FACTS else "server state not recorded yet"
+        entry: dict[str, object] = {"enabled": reason is None, "description": f.description}
+        if reason is not None:
+            entry["reason"] = reason
+        out[f.name] = entry
+    if _FACTS and _FACTS[0].refused_slots and "inflight_lora_update" in out:
+        out["inflight_lora_update"]["refused_slots"] = dict(_FACTS[0].refused_slots)
+    return out
 
 
 def enabled_names() -> list[str]:
-    return [f.name for f in _FEATURES.values() if f.enabled]
+    return [name for name, entry in snapshot().items() if entry["enabled"]]
