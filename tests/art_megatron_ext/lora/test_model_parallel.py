@@ -6,6 +6,10 @@
   would differ from TP=1. For sequence parallelism the test does what Megatron's
   `finalize_model_grads` does for parameters marked `sequence_parallel`: all-reduce their
   gradients over the TP group.
+- The Transformer Engine spec (CPU stand-in of Megatron's TE wrappers, layernorm fused into
+  QKV and FC1) at TP=2, with and without sequence parallelism, trains and exports the TP=1
+  local-spec adapter from the same initial weights.
+- Export gathers to the writing rank only: rank 1 receives no tensor during `export_peft`.
 - Expert parallelism: each EP rank holds different experts; the export gathers them all
   under their global expert indices and equals the EP=1 export.
 - Pipeline parallelism: each stage holds half of the layers; the export gathers every layer
