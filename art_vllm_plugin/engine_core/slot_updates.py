@@ -62,6 +62,10 @@ def _art_state(core) -> EngineSlotState:
     state = core.__dict__.get("_art_state")
     if state is None:
         state = core.__dict__["_art_state"] = EngineSlotState()
+        # First reached from `add_request` (salting), before any batch of that request is
+        # scheduled. Not from `__init__`: EngineCore loads the general plugins inside its own
+        # `__init__`, so a patched `__init__` would miss the engine being built.
+        batch_stamps.stamps(core)
     return state
 
 
@@ -169,13 +173,6 @@ def install(engine_core_cls) -> None:
     """Add the utility methods and the batch stamps to vLLM's EngineCore (idempotent)."""
     if getattr(engine_core_cls, _MARK, False):
         return
-    original_init = engine_core_cls.__init__
-
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        batch_stamps.stamps(self)  # wrap the scheduler before the first batch
-
-    engine_core_cls.__init__ = __init__
     batch_stamps.install(engine_core_cls)
     engine_core_cls.art_stage_lora_update = art_stage_lora_update
     engine_core_cls.art_commit_lora_update = art_commit_lora_update
