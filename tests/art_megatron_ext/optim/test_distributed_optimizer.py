@@ -26,74 +26,8 @@ import numpy as np
 import pytest
 import torch
 from support.dist import run_ranks
-
-SHAPE = dict(
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    vocab_size=64,
-)
-SEQ = 16
-ATOL = 1e-6  # float32 reduction-order differences; a missing reduction is off by O(|grad|)
-
-
-def _global_batch(step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, SHAPE["vocab_size"], (2, SEQ + 1), generator=g)
-
-
-def _build(tp: int, dtype: torch.dtype):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from art_megatron_ext.lora import LoraConfig, attach_lora
-    from art_megatron_ext.lora.tiny_gpt import GptShape, build_gpt
-
-    torch.manual_seed(0)
-    model = build_gpt(
-        GptShape(**SHAPE), tensor_parallel=tp, sequence_parallel=tp > 1, params_dtype=dtype
-    )
-    attach_lora(model, LoraConfig(rank=8, alpha=16.0))
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=False, grad_reduce_in_fp32=True
-    )
-    return DistributedDataParallel(model.config, ddp_config, model)
-
-
-def _optimizer_builder(ddp, name: str, bf16: bool, lr: float, eps: float = 1e-8):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    config = OptimizerConfig(
-        optimizer=name,
-        lr=lr,
-        adam_eps=eps,
-        weight_decay=0.0,
-        clip_grad=0.0,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=True,
-    )
-    return lambda params: get_megatron_optimizer(config, [ddp])
-
-
-def _step(ddp, optimizer, step: int, rows: slice) -> None:
-    from megatron.core.distributed import finalize_model_grads
-
-    from art_megatron_ext.lora import zero_lora_padding_
-    from art_megatron_ext.lora.cpu_runtime import causal_mask
-
-    tokens = _global_batch(step)[rows]
-    positions = torch.arange(SEQ).expand(tokens.shape[0], SEQ)
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    loss = ddp(tokens[:, :-1], positions, causal_mask(SEQ), labels=tokens[:, 1:]).mean()
-    loss.backward()
-    finalize_model_grads([ddp])
-    zero_lora_padding_(ddp.module)
-    ok, _, _ = optimizer.step()
-    assert ok
+from support.distopt_model import ATOL, optimizer_builder, train_step
+from support.distopt_model import build as build_ddp
 
 
 def _shard_state(optimizer, named) -> dict:
@@ -126,9 +60,9 @@ def _resident_case(root: Path) -> dict:
     from art_megatron_ext.optim import Residency, ResidentKey, ResidentOptimizerStore
 
     out: dict = {}
-    ddp = _build(tp=1, dtype=torch.bfloat16)
+    ddp = build_ddp(tp=1, dtype=torch.bfloat16)
     named = [(n, p) for n, p in ddp.named_parameters() if p.requires_grad]
-    build = _optimizer_builder(ddp, "adam", bf16=True, lr=1e-2)
+    build = optimizer_builder(ddp, "adam", bf16=True, lr=1e-2)
     rank = torch.distributed.get_rank()
     rows = slice(rank, rank + 1)  # DP=2: each rank its half of the global batch
     store = ResidentOptimizerStore()
@@ -136,7 +70,7 @@ def _resident_case(root: Path) -> dict:
     job = store.acquire(key, ddp, build)
     out["first"] = job.residency is Residency.REBUILT
     for step in (1, 2):
-        _step(ddp, job.optimizer, step, rows)
+        train_step(ddp, job.optimizer, step, rows)
     job.save(2)
     saved_shards, saved_params = _shard_state(job.optimizer, named), _params(ddp)
     out["moment_keys"] = sorted({k.rsplit(".", 1)[1] for k in saved_shards})
@@ -162,7 +96,7 @@ def _resident_case(root: Path) -> dict:
     out["reused"] = again.residency is Residency.REUSED and again.optimizer is job.optimizer
     out["reused_state_same"] = _bit_equal(_shard_state(again.optimizer, named), saved_shards)
 
-    _step(ddp, job.optimizer, 3, rows)  # moves on without saving
+    train_step(ddp, job.optimizer, 3, rows)  # moves on without saving
     after3_shards, after3_params = _shard_state(job.optimizer, named), _params(ddp)
     out["step3_changed_state"] = not _bit_equal(after3_shards, saved_shards)
 
@@ -170,14 +104,14 @@ def _resident_case(root: Path) -> dict:
     out["loaded"] = loaded.residency is Residency.LOADED and loaded.optimizer is not job.optimizer
     out["loaded_state_bit_exact"] = _bit_equal(_shard_state(loaded.optimizer, named), saved_shards)
     out["loaded_params_bit_exact"] = _bit_equal(_params(ddp), saved_params)
-    _step(ddp, loaded.optimizer, 3, rows)
+    train_step(ddp, loaded.optimizer, 3, rows)
     out["same_next_step"] = _bit_equal(
         _shard_state(loaded.optimizer, named), after3_shards
     ) and _bit_equal(_params(ddp), after3_params)
 
     # Async: the snapshot is taken before the next step changes the live state.
     loaded.save_async(3)
-    _step(ddp, loaded.optimizer, 4, rows)  # runs while the background save may still write
+    train_step(ddp, loaded.optimizer, 4, rows)  # runs while the background save may still write
     loaded.wait_for_saves()
     check = ResidentOptimizerStore().acquire(
         ResidentKey("third-session", "rl", root / "resident"), ddp, build
@@ -232,15 +166,15 @@ def _tp_case(tp: int) -> dict:
     """Two Adam steps on the same global batch; returns the gathered PEFT tensors."""
     from art_megatron_ext.lora.export import collect_peft_tensors
 
-    ddp = _build(tp=tp, dtype=torch.float32)
+    ddp = build_ddp(tp=tp, dtype=torch.float32)
     # Megatron's distributed optimizer takes only Adam-like optimizers; eps = 1 keeps the
     # update nearly linear in the gradient (with a tiny eps step 1 is lr * sign(grad), which
     # float rounding could flip for near-zero gradients).
-    optimizer = _optimizer_builder(ddp, "adam", bf16=False, lr=0.5, eps=1.0)(None)
+    optimizer = optimizer_builder(ddp, "adam", bf16=False, lr=0.5, eps=1.0)(None)
     rank = torch.distributed.get_rank()
     rows = slice(None) if tp == 2 else slice(rank, rank + 1)
     for step in (1, 2):
-        _step(ddp, optimizer, step, rows)
+        train_step(ddp, optimizer, step, rows)
     tensors, _ = collect_peft_tensors(ddp.module, "default", dst=None)  # on every rank
     marked = sum(
         1 for p in ddp.parameters() if p.requires_grad and getattr(p, "sequence_parallel", False)

@@ -1,0 +1,390 @@
+"""Adapter + optimizer checkpoints in Megatron's `dist_checkpointing`, committed atomically.
+
+Why: `dist_checkpointing` stores sharded tensors by their global shape and offset, so a
+checkpoint written at one parallel layout loads at another (DP=2 -> DP=1, TP=2 -> TP=1),
+which the per-rank `ShardedCheckpointer` files cannot. It does not, however, say when a
+checkpoint is complete, and it overwrites a directory in place. So each save goes into a new
+generation directory `gen-GGGGGGGG.dist/`, every file gets an XXH3-128 digest (data files
+hashed while Megatron writes them), and rank 0 commits by atomically replacing
+`CURRENT.json` after every rank reported success; the previous generation is removed only
+after that. Layout and guarantees: docs/checkpoint-format.md ("dist_checkpointing layout").
+
+What is saved: the model's LoRA entries of `model.sharded_state_dict()` (keys containing
+`.lora.`) and `optimizer.sharded_state_dict(...)` over them (a Megatron `DistributedOptimizer`
+with the `fully_reshardable` layout).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import json
+import shutil
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from art_megatron_ext import compat
+from art_megatron_ext.optim.checkpoint import CheckpointCorruptError, CheckpointSaveError
+from art_megatron_ext.optim.collective import RankGroup
+from art_megatron_ext.optim.fileio import WRITE_DIGEST, CheckpointIO, digest_open_file, new_hasher
+from art_megatron_ext.optim.manifest import MANIFEST_NAME, CheckpointFormatError
+from art_megatron_ext.optim.optimizer_state import _unshare_step_tensors
+
+__all__ = ["DistCheckpointer", "DistManifest", "LoadedDist"]
+
+DIST_FORMAT = "art-pipeline/dist-checkpoint"
+DIST_FORMAT_VERSION = 1
+SHARDING_TYPE = "fully_reshardable"
+
+
+def generation_dir_name(generation: int) -> str:
+    return f"gen-{generation:08d}.dist"
+
+
+@dataclass(frozen=True)
+class DistFile:
+    name: str  # relative to the generation directory, no path separators
+    size: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class DistManifest:
+    """The commit record of one `dist_checkpointing` generation."""
+
+    generation: int
+    step: int
+    world_size: int  # of the job that saved it (any world size may load it)
+    objective: str
+    files: tuple[DistFile, ...]
+
+    @property
+    def directory_name(self) -> str:
+        return generation_dir_name(self.generation)
+
+    def to_json(self) -> bytes:
+        body = {
+            "format": DIST_FORMAT,
+            "format_version": DIST_FORMAT_VERSION,
+            "generation": self.generation,
+            "step": self.step,
+            "world_size": self.world_size,
+            "objective": self.objective,
+            "layout": "megatron.core.dist_checkpointing/torch_dist",
+            "directory": self.directory_name,
+            "digest": WRITE_DIGEST,
+            "files": [{"name": f.name, "size": f.size, "digest": f.digest} for f in self.files],
+        }
+        return (json.dumps(body, indent=1) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, source: Path) -> DistManifest:
+        try:
+            body = json.loads(data)
+            if body.get("format") != DIST_FORMAT:
+                raise CheckpointFormatError(
+                    f"{source}: format is {body.get('format')!r}, expected {DIST_FORMAT!r} "
+                    "(a per-rank checkpoint is read with ShardedCheckpointer)"
+                )
+            if body.get("format_version") != DIST_FORMAT_VERSION or body.get("digest") != (
+                WRITE_DIGEST
+            ):
+                raise CheckpointFormatError(
+                    f"{source}: format_version {body.get('format_version')!r} / digest "
+                    f"{body.get('digest')!r} not supported"
+                )
+            files = tuple(
+                DistFile(str(f["name"]), int(f["size"]), str(f["digest"])) for f in body["files"]
+            )
+            manifest = cls(
+                int(body["generation"]),
+                int(body["step"]),
+                int(body["world_size"]),
+                str(body["objective"]),
+                files,
+            )
+        except CheckpointFormatError:
+            raise
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointFormatError(f"{source}: malformed manifest ({exc!r})") from exc
+        for f in files:
+            if Path(f.name).name != f.name or f.name in ("", ".", ".."):
+                raise CheckpointFormatError(f"{source}: file name {f.name!r} is not plain")
+        return manifest
+
+
+@dataclass(frozen=True)
+class LoadedDist:
+    step: int
+    objective: str
+    generation: int
+    directory: Path
+
+
+class _HashingFile:
+    """A binary file whose writes are hashed on their way out; digest recorded at close."""
+
+    def __init__(self, raw: Any, path: Path, record: dict[str, tuple[int, str]], lock) -> None:
+        self._raw, self._path, self._record, self._lock = raw, path, record, lock
+        self._hasher = new_hasher()
+        self._size = 0
+        self._rewound = False  # a seek back means the write order is not the file order
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self._hasher.update(view)
+        n = self._raw.write(view)
+        self._size += view.nbytes
+        return n
+
+    def seek(self, *args):
+        self._rewound = True
+        return self._raw.seek(*args)
+
+    def truncate(self, *args):
+        self._rewound = True
+        return self._raw.truncate(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+    def __enter__(self) -> _HashingFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._raw.closed:
+            return
+        self._raw.close()
+        if self._rewound:  # fall back to a read pass for this one file
+            with builtins.open(self._path, "rb") as f:
+                digest = digest_open_file(f, self._path.stat().st_size)
+            size = self._path.stat().st_size
+        else:
+            digest, size = self._hasher.hexdigest(), self._size
+        with self._lock:
+            self._record[self._path.name] = (size, digest)
+
+
+@contextlib.contextmanager
+def _hash_megatron_writes(directory: Path) -> Iterator[dict[str, tuple[int, str]]]:
+    """While active, Megatron's data-file writes into `directory` are hashed in-flight."""
+    module = compat.dist_ckpt_writer_module()
+    record: dict[str, tuple[int, str]] = {}
+    lock = threading.Lock()
+    had_own = "open" in module.__dict__
+    previous = module.__dict__.get("open")
+
+    def hashing_open(file, mode="r", *args, **kwargs):
+        raw = builtins.open(file, mode, *args, **kwargs)  # noqa: SIM115 (closed by wrapper)
+        path = Path(file)
+        if "w" in mode and "b" in mode and path.parent == directory:
+            return _HashingFile(raw, path, record, lock)
+        return raw
+
+    module.open = hashing_open
+    try:
+        yield record
+    finally:
+        if had_own:
+            module.open = previous
+        else:
+            del module.open
+
+
+def lora_sharded_state_dict(model: Any, metadata: dict) -> dict:
+    """The LoRA entries of `model.sharded_state_dict(metadata=...)` (the adapter)."""
+    return {k: v for k, v in model.sharded_state_dict(metadata=metadata).items() if ".lora." in k}
+
+
+class DistCheckpointer:
+    """Save/load an adapter and its `DistributedOptimizer` with `dist_checkpointing` (collective).
+
+    `model` is the Megatron module (inside DDP: `ddp.module`) whose `sharded_state_dict`
+    names the LoRA tensors; `optimizer` is Megatron's (chained) distributed optimizer over it.
+    """
+
+    def __init__(self, directory: Path, *, io: CheckpointIO | None = None) -> None:
+        self.directory = Path(directory)
+        self.io = io or CheckpointIO()
+        self.group = RankGroup(None)  # dist_checkpointing itself runs on the default group
+
+    def _metadata(self) -> dict:
+        from megatron.core import parallel_state
+
+        return {
+            "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+            "distrib_optim_sharding_type": SHARDING_TYPE,
+        }
+
+    def committed(self) -> DistManifest | None:
+        path = self.directory / MANIFEST_NAME
+        try:
+            data = self.io.read_bytes(path)
+        except FileNotFoundError:
+            return None
+        return DistManifest.from_json(data, path)
+
+    # ---- save ----------------------------------------------------------------------------
+    def save(self, model: Any, optimizer: Any, *, step: int, objective: str) -> DistManifest:
+        from megatron.core import dist_checkpointing
+
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        rank = self.group.rank
+        plan: int | str = "unset"
+        if rank == 0:
+            try:
+                committed = self.committed()
+                generation = (committed.generation if committed else 0) + 1
+                gen_dir = self.directory / generation_dir_name(generation)
+                if gen_dir.exists():  # debris of a crashed save under this name
+                    shutil.rmtree(gen_dir)
+                gen_dir.mkdir(parents=True)
+                self.io.fsync_dir(self.directory)
+                plan = generation
+            except Exception as exc:
+                plan = f"rank 0: {type(exc).__name__}: {exc}"
+        plan = self.group.broadcast_from_first(plan)
+        if isinstance(plan, str):
+            raise CheckpointSaveError(f"save of step {step} to {self.directory} failed: {plan}")
+        generation, gen_dir = plan, self.directory / generation_dir_name(plan)
+
+        metadata = self._metadata()
+        adapter = lora_sharded_state_dict(model, metadata)
+        state = {
+            "adapter": adapter,
+            "optimizer": optimizer.sharded_state_dict(adapter, metadata=metadata),
+        }
+        outcome: dict | str
+        try:
+            with _hash_megatron_writes(gen_dir) as written:
+                dist_checkpointing.save(state, str(gen_dir))  # collective, fsyncs data files
+            outcome = dict(written)
+            if rank == 0:  # small metadata files Megatron writes itself: hash them here
+                for path in gen_dir.iterdir():
+                    if path.name not in outcome and path.is_file():
+                        with self.io.open_read(path) as f:
+                            size = path.stat().st_size
+                            outcome[path.name] = (size, digest_open_file(f, size))
+                        with open(path, "rb+") as f:
+                            self.io.fsync(f)
+                self.io.fsync_dir(gen_dir)
+        except Exception as exc:
+            outcome = f"rank {rank}: {type(exc).__name__}: {exc}"
+        outcomes = self.group.all_gather(outcome)
+        failures = [o for o in outcomes if isinstance(o, str)]
+        if failures:
+            raise CheckpointSaveError(
+                f"save of step {step} to {self.directory} failed: {'; '.join(failures)}. "
+                "The last committed checkpoint stays in effect."
+            )
+        files: dict[str, tuple[int, str]] = {}
+        for o in outcomes:
+            files.update(o)
+        manifest = DistManifest(
+            generation=generation,
+            step=step,
+            world_size=self.group.world_size,
+            objective=objective,
+            files=tuple(DistFile(n, s, d) for n, (s, d) in sorted(files.items())),
+        )
+        commit = "ok"
+        if rank == 0:
+            try:
+                on_disk = sorted(p.name for p in gen_dir.iterdir())
+                if on_disk != sorted(files):
+                    raise CheckpointSaveError(
+                        f"{gen_dir}: files on disk {on_disk} are not the files the ranks "
+                        f"reported {sorted(files)}"
+                    )
+                body = manifest.to_json()
+                self.io.atomic_write(self.directory / MANIFEST_NAME, lambda sink: sink.write(body))
+                self.io.fsync_dir(self.directory)
+                self._remove_others(manifest)
+            except Exception as exc:
+                commit = f"rank 0 commit: {type(exc).__name__}: {exc}"
+        commit = self.group.broadcast_from_first(commit)
+        if commit != "ok":
+            raise CheckpointSaveError(
+                f"save of step {step} to {self.directory} failed: {commit}. The last committed "
+                "checkpoint stays in effect."
+            )
+        return manifest
+
+    def _remove_others(self, manifest: DistManifest) -> None:
+        """Remove every generation directory but the committed one (after the commit)."""
+        for path in self.directory.iterdir():
+            if path.name == manifest.directory_name or not path.name.startswith("gen-"):
+                continue
+            if path.is_dir() and path.name.endswith(".dist"):
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ---- load ----------------------------------------------------------------------------
+    def load(self, model: Any, optimizer: Any) -> LoadedDist | None:
+        """Load the committed generation into `model`'s LoRA tensors and `optimizer` (any
+        parallel layout). Every file's digest is checked first (files split over ranks);
+        on any mismatch every rank raises and nothing is loaded."""
+        from megatron.core import dist_checkpointing
+
+        local: str = "ok"
+        manifest = None
+        try:
+            manifest = self.committed()
+            if manifest is not None:
+                gen_dir = self.directory / manifest.directory_name
+                for i, f in enumerate(manifest.files):
+                    if i % self.group.world_size == self.group.rank:
+                        self._verify(gen_dir, f, manifest)
+        except Exception as exc:
+            local = f"rank {self.group.rank}: {type(exc).__name__}: {exc}"
+        failures = [o for o in self.group.all_gather(local) if o != "ok"]
+        if failures:
+            raise CheckpointCorruptError(
+                f"loading {self.directory} failed; nothing was loaded: {'; '.join(failures)}"
+            )
+        if manifest is None:
+            return None
+        metadata = self._metadata()
+        adapter = lora_sharded_state_dict(model, metadata)
+        targets = {k: v.data for k, v in adapter.items()}
+        compat.distopt_init_state(optimizer)
+        state = {
+            "adapter": adapter,
+            "optimizer": optimizer.sharded_state_dict(adapter, is_loading=True, metadata=metadata),
+        }
+        loaded = dist_checkpointing.load(state, str(self.directory / manifest.directory_name))
+        import torch
+
+        with torch.no_grad():
+            for key, dst in targets.items():
+                src = loaded["adapter"][key]
+                if src.data_ptr() != dst.data_ptr():
+                    dst.copy_(src)
+        compat.distopt_load_state_dict(optimizer, loaded["optimizer"])
+        for part in compat.chained_parts(optimizer):
+            _unshare_step_tensors(part.optimizer)
+        return LoadedDist(manifest.step, manifest.objective, manifest.generation, self.directory)
+
+    def _verify(self, gen_dir: Path, f: DistFile, manifest: DistManifest) -> None:
+        path = gen_dir / f.name
+        where = f"(generation {manifest.generation}, step {manifest.step})"
+        try:
+            handle = self.io.open_read(path)
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(
+                f"{path}: listed in the manifest but missing {where}"
+            ) from exc
+        with handle:
+            size = handle.seek(0, 2)
+            got = digest_open_file(handle, size) if size == f.size else None
+        if size != f.size or got != f.digest:
+            raise CheckpointCorruptError(
+                f"{path}: size {size} / {WRITE_DIGEST} {got} does not match the manifest's "
+                f"{f.size} / {f.digest} {where}"
+            )
