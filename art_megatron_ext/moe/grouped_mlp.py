@@ -6,10 +6,13 @@ without TE a trainer falls back to `SequentialMLP`, one matmul per expert. This 
 linear as one `grouped_gemm` over all local experts: CUTLASS on sm_90, `torch._grouped_mm`
 elsewhere. Select it with `art_moe_layer_spec(...)` in place of Megatron's MoE spec.
 
-Weights are stored expert-major and input-major, the layout the op takes: `weight1`
-[L, hidden, F1] (F1 = 2*ffn for gated units: gate columns first, then up, as Megatron's
-`torch.chunk`) and `weight2` [L, ffn, hidden]; expert e's `SequentialMLP` weights are the
-transposes (`copy_from_sequential_mlp`).
+The two linears are `ArtGroupedLinear` children named `linear_fc1` and `linear_fc2`, as in
+Megatron's `TEGroupedMLP`, so `attach_lora` makes them grouped LoRA sites (one A/B pair per
+local expert, run through the same grouped GEMM op). Weights are stored expert-major and
+input-major, the layout the op takes: `linear_fc1.weight` [L, hidden, F1] (F1 = 2*ffn for gated
+units: gate columns first, then up, as Megatron's `torch.chunk`) and `linear_fc2.weight`
+[L, ffn, hidden]; expert e's `SequentialMLP` weights are the transposes
+(`copy_from_sequential_mlp`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from functools import partial
 
 import torch
 
-from art_megatron_ext.ops import BACKENDS, grouped_gemm
+from art_megatron_ext.moe.grouped_linear import ArtGroupedLinear
+from art_megatron_ext.ops import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class ArtGroupedMLP(_megatron_module()):
         super().__init__(config=config)
         self.options = options or GroupedMLPOptions()
         self.num_local_experts = num_local_experts
+        self.ep_group = getattr(pg_collection, "ep", None) if pg_collection is not None else None
         expt_tp = getattr(pg_collection, "expt_tp", None) if pg_collection is not None else None
         if expt_tp is not None and expt_tp.size() != 1:
             raise ValueError(
@@ -73,26 +78,27 @@ class ArtGroupedMLP(_megatron_module()):
             raise ValueError("ArtGroupedMLP runs bf16/fp32 experts; fp8/fp4 needs TEGroupedMLP")
         ffn = config.moe_ffn_hidden_size
         fc1_out = 2 * ffn if config.gated_linear_unit else ffn
-        kw = dict(
-            dtype=config.params_dtype,
-            device=None if config.use_cpu_initialization else torch.cuda.current_device(),
-        )
-        self.weight1 = torch.nn.Parameter(
-            torch.empty(num_local_experts, config.hidden_size, fc1_out, **kw)
-        )
-        self.weight2 = torch.nn.Parameter(
-            torch.empty(num_local_experts, ffn, config.hidden_size, **kw)
-        )
-        for param in (self.weight1, self.weight2):
-            param.allreduce = False  # expert parameters: reduced over the expert-DP group
-        with torch.no_grad():
-            for e in range(num_local_experts):  # init as [out, in], like Megatron's linears
-                w1 = torch.empty(fc1_out, config.hidden_size, dtype=torch.float32)
-                config.init_method(w1)
-                self.weight1[e].copy_(w1.t())
-                w2 = torch.empty(config.hidden_size, ffn, dtype=torch.float32)
-                config.output_layer_init_method(w2)
-                self.weight2[e].copy_(w2.t())
+        backend = self.options.backend
+        self.linear_fc1 = ArtGroupedLinear(
+            num_local_experts, config.hidden_size, fc1_out, kind="column", config=config,
+            backend=backend,
+        )  # fmt: skip
+        self.linear_fc2 = ArtGroupedLinear(
+            num_local_experts, ffn, config.hidden_size, kind="row", config=config,
+            backend=backend,
+        )  # fmt: skip
+        self.linear_fc1.init_like_megatron(config.init_method)
+        self.linear_fc2.init_like_megatron(config.output_layer_init_method)
+
+    @property
+    def weight1(self) -> torch.nn.Parameter:
+        """fc1 weights of every local expert, [L, hidden, F1]."""
+        return self.linear_fc1.weight
+
+    @property
+    def weight2(self) -> torch.nn.Parameter:
+        """fc2 weights of every local expert, [L, ffn, hidden]."""
+        return self.linear_fc2.weight
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -110,11 +116,11 @@ class ArtGroupedMLP(_megatron_module()):
         if self.config.moe_apply_probs_on_input:
             hidden = (permuted_probs.unsqueeze(-1) * hidden).to(hidden.dtype)
             permuted_probs = torch.ones_like(permuted_probs)
-        backend = self.options.backend
-        h = grouped_gemm(hidden, self.weight1, tokens_per_expert, backend=backend)
+        h, _ = self.linear_fc1(hidden, tokens_per_expert)
         h = self._activation(h)
         h = (h * permuted_probs.unsqueeze(-1)).to(h.dtype)
-        return grouped_gemm(h, self.weight2, tokens_per_expert, backend=backend), None
+        out, _ = self.linear_fc2(h, tokens_per_expert)
+        return out, None
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the main backward (no delayed wgrad)."""

@@ -7,6 +7,11 @@ package named `deep_ep` (it would shadow a real DeepEP), and we do not edit Mega
 (`HybridEPDispatch` / `HybridEPCombine`) drive a `hybridep.Buffer`. Everything it changed is
 put back by `disable()` (or leaving the `with` block).
 
+Megatron's `reset_hybrid_ep_buffer()` only drops its reference to the buffer; ours also closes
+it (collective, like Megatron's reset, which every rank calls), so the CUDA backend's
+registered memory and IPC mappings are freed rather than leaked. `enable_hybridep` and
+`disable` reset through it.
+
     from art_megatron_ext.moe import enable_hybridep
     enable_hybridep()            # before the first MoE forward; then configure Megatron with
                                  # moe_token_dispatcher_type="flex",
@@ -36,8 +41,8 @@ class HybridEPOptions:
         backend: "auto", "torch" or "cuda" (see `hybridep.Buffer`).
         config: launch tunables; Megatron's `moe_flex_dispatcher_num_sms` etc. overlay it.
         max_num_of_tokens_per_rank: floor of the buffer's token capacity. Megatron sizes
-            the buffer from the first batch; a later, larger batch is refused with a clear
-            error unless this floor covers it.
+            the buffer from the first batch; a later, larger batch grows it collectively
+            (a reallocation, logged) unless this floor already covers it.
     """
 
     backend: str = "auto"
@@ -126,6 +131,20 @@ def _hybrid_ep_combine(x, handle, num_permuted_tokens, pad_multiple, fused=False
     return fused_a2a.HybridEPCombine.apply(x, handle, num_permuted_tokens, pad_multiple, fused)
 
 
+def _closing_reset(original_reset: Any):
+    """Megatron's `reset_hybrid_ep_buffer`, closing our buffer before it is dropped."""
+
+    def reset_hybrid_ep_buffer() -> None:
+        fused_a2a = compat.megatron_fused_a2a_module()
+        buffer = getattr(fused_a2a, compat.HYBRIDEP_BUFFER_GLOBAL, None)
+        if isinstance(buffer, Buffer):
+            buffer.close()
+        original_reset()
+
+    reset_hybrid_ep_buffer.art_closes_buffer = True
+    return reset_hybrid_ep_buffer
+
+
 class HybridEPPatch:
     """The attributes `enable_hybridep` replaced, and how to put them back."""
 
@@ -145,6 +164,7 @@ class HybridEPPatch:
             "HAVE_HYBRIDEP": True,
             "hybrid_ep_dispatch": _hybrid_ep_dispatch,
             "hybrid_ep_combine": _hybrid_ep_combine,
+            "reset_hybrid_ep_buffer": _closing_reset(fused_a2a.reset_hybrid_ep_buffer),
         }
         for name in compat.HYBRIDEP_FUSED_A2A_ATTRS:
             self._set(fused_a2a, name, values[name])
@@ -156,6 +176,8 @@ class HybridEPPatch:
         """Restore Megatron's attributes and drop the buffer Megatron cached."""
         global _ACTIVE
         with _LOCK:
+            if self._saved:  # our closing reset is still installed: close, then restore
+                compat.megatron_fused_a2a_module().reset_hybrid_ep_buffer()
             for module, name, old in reversed(self._saved):
                 if old is _MISSING:
                     delattr(module, name)

@@ -179,3 +179,81 @@ def test_sequential_mlp_experts_get_one_site_per_expert(moe_layer):
             base, _ = moe_layer(x)
         adapted, _ = moe_layer(x)
     assert not torch.allclose(base, adapted)
+
+
+def test_grouped_lora_runs_the_project_op_and_never_loops_silently():
+    """float64 is not a grouped GEMM dtype: the op says so (the old path caught the kernel's
+    error and looped over experts without a word)."""
+    from art_megatron_ext.ops import GroupedGemmBackendError
+
+    x, w = torch.randn(sum(SPLITS), 16, dtype=torch.float64), torch.randn(EXPERTS, 24, 16).double()
+    with pytest.raises(GroupedGemmBackendError, match="float64"):
+        grouped_linear(x, w, SPLITS)
+    with pytest.raises(ValueError, match=r"sum to x\.shape"):  # counts checked, not looped over
+        grouped_linear(x.float(), w.float(), [1, 1, 1, 1])
+
+
+@pytest.fixture()
+def art_moe_layer(megatron_world):
+    from support.megatron_cpu import cpu_shim, moe_test_config
+
+    from art_megatron_ext.moe import GroupedMLPOptions, art_moe_layer_spec
+
+    with cpu_shim():
+        torch.manual_seed(0)
+        config = moe_test_config(
+            num_moe_experts=4, gated_linear_unit=True, activation_func=F.silu
+        )  # SwiGLU experts: fc1 exports as gate_proj + up_proj
+        yield art_moe_layer_spec(4, GroupedMLPOptions("torch"))(config=config, layer_number=1)
+
+
+def _in_a_decoder_layer(mlp: torch.nn.Module) -> torch.nn.Module:
+    """model.decoder.layers.0.mlp = `mlp` (export names sites by their layer)."""
+    layer = torch.nn.Module()
+    layer.layer_number = 1
+    layer.mlp = mlp
+    model = torch.nn.Module()
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList([layer])
+    return model
+
+
+def test_art_grouped_mlp_linears_are_grouped_lora_sites(art_moe_layer, tmp_path):
+    """`ArtGroupedMLP` (our grouped experts) gets one grouped site per linear: the delta is one
+    LoRA per expert, gradients reach A and B, and the export names every expert."""
+    from art_megatron_ext.lora import activate_slot
+    from art_megatron_ext.lora.grouped import GroupedLoraSite
+
+    model = _in_a_decoder_layer(art_moe_layer)
+    sites = attach_lora(model, LoraConfig(rank=4, targets=("linear_fc1", "linear_fc2")))
+    assert [type(s) for s in sites] == [GroupedLoraSite, GroupedLoraSite]
+    fc1_site, fc2_site = sites
+    assert (fc1_site.info.kind, fc2_site.info.kind) == ("grouped_column", "grouped_row")
+    assert fc1_site.info.num_local_experts == 4
+    assert fc1_site.info.gated
+    assert fc1_site.info.expert_index == 0
+    for e in iter_lora_sites(art_moe_layer):
+        logical_view(e.adapter.b).data.normal_()
+    experts = art_moe_layer.experts
+    splits = torch.tensor([2, 0, 3, 1])
+    x = torch.randn(6, experts.linear_fc1.weight.shape[1], requires_grad=True)
+    with activate_slot(art_moe_layer, None):
+        base, _ = experts.linear_fc1(x, splits)
+    adapted, _ = experts.linear_fc1(x, splits)
+    adapter = fc1_site.slots["default"]
+    a, b = logical_view(adapter.a), logical_view(adapter.b)
+    want = torch.cat([
+        F.linear(F.linear(xe, a[e]), b[e]) * adapter.scaling
+        for e, xe in enumerate(torch.split(x.detach(), splits.tolist()))
+    ])  # fmt: skip
+    torch.testing.assert_close(adapted.detach() - base.detach(), want, rtol=1e-5, atol=1e-5)
+    out, _ = art_moe_layer(torch.randn(5, 1, 16))
+    out.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for _, p in
+               iter_lora_sites(art_moe_layer).__next__().tensors)  # fmt: skip
+    assert experts.linear_fc1.weight.grad is None  # base frozen
+    export_peft(model, "default", tmp_path, "tiny-moe")
+    names = load_file(tmp_path / "adapter_model.safetensors")
+    for e in range(4):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            assert any(f"experts.{e}.{proj}.lora_A" in k for k in names), (e, proj, list(names))

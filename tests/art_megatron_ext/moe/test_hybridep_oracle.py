@@ -165,12 +165,71 @@ def _megatron_functions_with_budget(rank: int, world_size: int) -> dict:
     }
 
 
+def _growing_batches(rank: int, world_size: int) -> dict:
+    """Megatron sizes the buffer from the first batch (`init_hybrid_ep_buffer(num_tokens=
+    x.shape[-2])`); a second forward with more tokens must grow it (collectively, logged
+    once) and still equal alltoall. Then Megatron's reset closes the buffer it drops."""
+    import logging
+
+    from megatron.core.transformer.moe import fused_a2a
+    from support.megatron_cpu import build_moe_layer, cpu_shim, megatron_parallel, moe_test_config
+
+    from art_megatron_ext.moe import HybridEPOptions, enable_hybridep
+
+    messages: list[str] = []
+
+    class Records(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Records()
+    logging.getLogger("hybridep.buffer").addHandler(handler)
+    common = dict(
+        expert_model_parallel_size=2,
+        num_moe_experts=8,
+        hidden_size=HIDDEN,
+        moe_router_topk=TOPK,
+        moe_enable_routing_replay=True,
+        init_method_std=0.2,
+    )
+    out: dict = {"diffs": []}
+    with cpu_shim(), megatron_parallel(tp=1, ep=2), enable_hybridep(HybridEPOptions("torch")):
+        torch.manual_seed(1234)
+        ref = build_moe_layer(moe_test_config(moe_token_dispatcher_type="alltoall", **common))
+        flex = build_moe_layer(
+            moe_test_config(
+                moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep", **common
+            )
+        )
+        flex.load_state_dict(ref.state_dict())
+        for step, tokens in enumerate((TOKENS, 40, 40)):  # the second forward is larger
+            gen = torch.Generator().manual_seed(50 * rank + step)
+            x = torch.randn(tokens, 1, HIDDEN, generator=gen)
+            grad_out = torch.randn(tokens, 1, HIDDEN, generator=gen)
+            topk_idx = _topk_indices(list(range(8)), tokens, gen)
+            out_ref, dx_ref, g_ref = _run_layer(ref, x, topk_idx, grad_out)
+            out_hep, dx_hep, g_hep = _run_layer(flex, x, topk_idx, grad_out)
+            worst = max([_rel(out_ref, out_hep), _rel(dx_ref, dx_hep)]
+                        + [_rel(g_ref[n], g_hep[n]) for n in g_ref])  # fmt: skip
+            out["diffs"].append(worst)
+            if step == 0:
+                out["first_capacity"] = fused_a2a._hybrid_ep_buffer.max_num_of_tokens_per_rank
+        buffer = fused_a2a._hybrid_ep_buffer
+        out["capacity"] = buffer.max_num_of_tokens_per_rank
+        out["logged"] = [m for m in messages if "growing the buffer" in m]
+        fused_a2a.reset_hybrid_ep_buffer()  # what a trainer calls to drop the buffer
+        out["reset_closed"] = buffer._closed and fused_a2a._hybrid_ep_buffer is None
+    logging.getLogger("hybridep.buffer").removeHandler(handler)
+    return out
+
+
 def _ep2_worker(rank: int, world_size: int) -> dict:
     from support.megatron_cpu import cpu_shim
 
     results = _oracle_worker(rank, world_size, 2, 1)
     with cpu_shim():
         results["budget"] = _megatron_functions_with_budget(rank, world_size)
+    results["growth"] = _growing_batches(rank, world_size)
     return results
 
 
@@ -265,3 +324,16 @@ def test_megatron_sees_the_overflow_flag_only_when_the_budget_is_too_small(ep2_r
     flags = [res["budget"]["flags"] for res in ep2_results]
     assert all(blocking == 0 and static == 0 for blocking, static, _ in flags), flags
     assert any(tight != 0 for _, _, tight in flags), flags
+
+
+def test_a_larger_second_batch_grows_the_buffer_and_still_equals_alltoall(ep2_results):
+    for rank, res in enumerate(ep2_results):
+        got = res["growth"]
+        assert got["first_capacity"] == TOKENS, got  # sized from the first batch, as Megatron does
+        assert got["capacity"] == 64, got  # 40 tokens, rounded up to the 64-token chunk
+        assert got["diffs"] == [0.0, 0.0, 0.0], f"rank {rank}: {got['diffs']}"
+        assert len(got["logged"]) == 1 and "40 tokens per rank" in got["logged"][0], got
+
+
+def test_megatron_reset_closes_the_buffer_it_drops(ep2_results):
+    assert all(res["growth"]["reset_closed"] for res in ep2_results)
