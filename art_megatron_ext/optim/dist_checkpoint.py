@@ -214,6 +214,17 @@ class DistCheckpointer:
         self.io = io or CheckpointIO()
         self.group = RankGroup(None)  # dist_checkpointing itself runs on the default group
 
+    @staticmethod
+    def _check_optimizer(optimizer: Any) -> None:
+        if not type(optimizer).__module__.startswith("megatron.") or not all(
+            compat.is_distributed_optimizer(p) for p in compat.chained_parts(optimizer)
+        ):
+            raise TypeError(
+                f"DistCheckpointer needs Megatron's DistributedOptimizer (or a ChainedOptimizer "
+                f"of them), got {type(optimizer).__name__}; checkpoint other optimizers with "
+                "ShardedCheckpointer / ResidentOptimizerStore. Nothing was written or loaded."
+            )
+
     def _metadata(self) -> dict:
         from megatron.core import parallel_state
 
@@ -236,6 +247,7 @@ class DistCheckpointer:
 
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        self._check_optimizer(optimizer)
         rank = self.group.rank
         plan: int | str = "unset"
         if rank == 0:
@@ -332,6 +344,7 @@ class DistCheckpointer:
         on any mismatch every rank raises and nothing is loaded."""
         from megatron.core import dist_checkpointing
 
+        self._check_optimizer(optimizer)
         local: str = "ok"
         manifest = None
         try:

@@ -175,3 +175,15 @@ def test_a_flipped_byte_is_refused_naming_the_file(runs):
     _, _, _, loaded = runs
     assert loaded["corrupt"] is not None and "__0_0.distcp" in loaded["corrupt"]
     assert "nothing was loaded" in loaded["corrupt"]
+
+
+def test_a_plain_torch_optimizer_is_refused_with_a_message(tmp_path):
+    from art_megatron_ext.optim.dist_checkpoint import DistCheckpointer
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="needs Megatron's DistributedOptimizer") as info:
+        DistCheckpointer(tmp_path / "ck").save(
+            model, torch.optim.AdamW(model.parameters()), step=1, objective="rl"
+        )
+    assert "AdamW" in str(info.value)
+    assert not (tmp_path / "ck").exists()
