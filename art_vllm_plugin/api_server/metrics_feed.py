@@ -4,6 +4,14 @@ vLLM calls the stat logger's `record()` once per engine step on the API server's
 the same thread that serves `/art/metrics`, so the feed needs no lock: `record()` does a few
 attribute writes and one deque append (O(1)), and the route reads them. The Prometheus text
 route renders every metric on every scrape; this route only formats one small JSON object.
+
+Schema 2 (for the autotuner) adds the scheduler's limits (`max_num_seqs`,
+`max_num_batched_tokens`, set once from the engine config), `num_waiting_for_capacity`
+(requests the last step left waiting while the scheduler was at its sequence limit or its KV
+cache was at least `KV_FULL_FRACTION` used: adding load there only queues),
+`num_waiting_deferred` (waiting on something other than capacity, e.g. a remote KV transfer),
+`preemptions_total` and `idle` (the last step left nothing running or waiting: an idle engine
+reports no steps, so its snapshot ages without being stale).
 """
 
 from __future__ import annotations
@@ -12,8 +20,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 TOKENS_WINDOW_S = 10.0
+KV_FULL_FRACTION = 0.95
 
 
 @dataclass
@@ -23,12 +32,22 @@ class MetricsFeed:
     engine_steps: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_waiting_deferred: int = 0
+    num_waiting_for_capacity: int = 0
+    preemptions: int = 0
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     kv_cache_usage: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0
     generation_tokens: int = 0
     # (time, generation tokens in that step), trimmed to the window when read
     window: deque = field(default_factory=lambda: deque(maxlen=65536))
+
+    def set_limits(self, max_num_seqs: int | None, max_num_batched_tokens: int | None) -> None:
+        """The scheduler's limits, from the engine config (once, at stat-logger creation)."""
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
 
     def record(self, scheduler_stats, iteration_stats) -> None:
         now = time.time()
@@ -37,11 +56,18 @@ class MetricsFeed:
             self.engine_steps += 1
             self.num_running = scheduler_stats.num_running_reqs
             self.num_waiting = scheduler_stats.num_waiting_reqs
+            self.num_waiting_deferred = scheduler_stats.num_skipped_waiting_reqs
             self.kv_cache_usage = scheduler_stats.kv_cache_usage
+            full = self.kv_cache_usage >= KV_FULL_FRACTION or (
+                self.max_num_seqs is not None and self.num_running >= self.max_num_seqs
+            )
+            self.num_waiting_for_capacity = self.num_waiting if full else 0
             prefix = scheduler_stats.prefix_cache_stats
             if prefix is not None:
                 self.prefix_queries += prefix.queries
                 self.prefix_hits += prefix.hits
+        if iteration_stats is not None:
+            self.preemptions += iteration_stats.num_preempted_reqs
         if iteration_stats is not None and iteration_stats.num_generation_tokens:
             self.generation_tokens += iteration_stats.num_generation_tokens
             self.window.append((now, iteration_stats.num_generation_tokens))
@@ -63,6 +89,12 @@ class MetricsFeed:
             "engine_step": self.engine_steps,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
+            "num_waiting_for_capacity": self.num_waiting_for_capacity,
+            "num_waiting_deferred": self.num_waiting_deferred,
+            "idle": self.num_running == 0 and self.num_waiting == 0,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "preemptions_total": self.preemptions,
             "kv_cache_usage": self.kv_cache_usage,
             "prefix_cache_hit_rate": (
                 self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -1,7 +1,12 @@
-"""`GET /art/metrics`: the JSON snapshot, its age guard, and per-slot versions in Prometheus."""
+"""`GET /art/metrics`: the JSON snapshot, its age guard, and per-slot versions in Prometheus.
+
+The module's server runs with `--max-num-seqs 2`, so four concurrent requests leave two
+waiting for capacity: schema 2's fields for the autotuner are checked on that real state.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -17,6 +22,12 @@ FIELDS = {
     "engine_step",
     "num_running",
     "num_waiting",
+    "num_waiting_for_capacity",
+    "num_waiting_deferred",
+    "idle",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "preemptions_total",
     "kv_cache_usage",
     "prefix_cache_hit_rate",
     "generation_tokens_per_s",
@@ -27,11 +38,20 @@ FIELDS = {
 }
 
 
+MAX_NUM_SEQS = 2
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model, tiny_adapters, server_log):
     config = serve_process.ServeConfig(
         model=str(tiny_model),
-        args=(*LORA_ARGS, "--lora-modules", f"policy={tiny_adapters / 'a'}"),
+        args=(
+            *LORA_ARGS,
+            "--lora-modules",
+            f"policy={tiny_adapters / 'a'}",
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+        ),
         log_path=server_log,
     )
     with serve_process.serving(config) as srv:
@@ -61,13 +81,54 @@ def test_snapshot_reports_engine_activity(server):
     generate(server)
     snap = get(server, "/art/metrics").json()
     assert set(snap) >= FIELDS
-    assert snap["schema_version"] == 1
+    assert snap["schema_version"] == 2
+    assert snap["max_num_seqs"] == MAX_NUM_SEQS and snap["max_num_batched_tokens"] > 0
+    assert snap["num_waiting_for_capacity"] == 0 and snap["num_waiting_deferred"] == 0
+    assert snap["idle"] is True  # every request above has finished
+    assert snap["preemptions_total"] == 0  # 1 GiB of KV cache holds three short requests
     assert snap["engine_step"] >= 3 * 32
     assert snap["generation_tokens_total"] >= 3 * 32
     assert snap["generation_tokens_per_s"] > 0
     assert 0 <= snap["kv_cache_usage"] <= 1
     assert snap["age_s"] < 30 and abs(snap["snapshot_time"] - time.time()) < 30
     assert snap["slots"]["policy"]["version"] == 0
+
+
+def test_waiting_for_capacity_counts_requests_beyond_max_num_seqs(server):
+    """Four long requests on a 2-sequence server: while the first two run, the snapshot
+    shows two running, two waiting for capacity, and not idle; afterwards idle again."""
+    statuses = []
+
+    def one(i):
+        resp = httpx.post(
+            server.url + "/v1/completions",
+            timeout=300,
+            json={
+                "model": "policy",
+                "prompt": f"capacity {i}",
+                "max_tokens": 400,
+                "ignore_eos": True,
+            },
+        )
+        statuses.append(resp.status_code)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    full = []
+    while any(t.is_alive() for t in threads):
+        snap = get(server, "/art/metrics").json()
+        if snap["num_running"] == MAX_NUM_SEQS and snap["num_waiting"] == 2:
+            full.append(snap)
+        time.sleep(0.02)
+    for t in threads:
+        t.join()
+    assert statuses == [200] * 4
+    # the first two requests decode 400 tokens while the other two wait: seen many times
+    assert full, "no snapshot showed 2 running and 2 waiting"
+    assert all(s["num_waiting_for_capacity"] == 2 and s["idle"] is False for s in full)
+    after = get(server, "/art/metrics").json()
+    assert after["idle"] is True and after["num_waiting_for_capacity"] == 0
 
 
 def test_update_counts_match_what_happened(server, tiny_adapters):
