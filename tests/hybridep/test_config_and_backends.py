@@ -65,3 +65,11 @@ def test_cuda_backend_reports_why_when_its_module_is_missing(monkeypatch):
     with pytest.raises(BackendUnavailable, match=r"importing hybridep\.backends\._absent failed"):
         select_backend("cuda", None)
     assert select_backend("auto", None) is TorchBackend
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "10", True])
+def test_barrier_timeout_is_a_positive_number_of_seconds(bad):
+    assert HybridEPConfig().barrier_timeout_s == 60.0
+    assert HybridEPConfig(barrier_timeout_s=2.5).barrier_timeout_s == 2.5
+    with pytest.raises(ValueError, match="barrier_timeout_s"):
+        HybridEPConfig(barrier_timeout_s=bad)
