@@ -5,18 +5,24 @@ Why: a grouped expert linear (Megatron's `TEColumnParallelGroupedLinear` /
 sorted by expert) runs all local experts in one grouped GEMM. Its LoRA does the same: A is
 [E, r_pad, in] and B is [E, rows_pad, r_pad], with r padded to `rank_multiple` and each
 expert's B rows (output features) to `expert_row_multiple`, which keeps every stride a multiple
-of 16 bytes as `torch._grouped_mm` (and our CUTLASS kernel) require. Padded elements are zero,
-so the padded output columns are zero and are sliced off.
+of 16 bytes as the grouped GEMM kernels require. Padded elements are zero, so the padded
+output columns are zero and are sliced off. Both LoRA GEMMs run through the project's
+`grouped_gemm` op (CUTLASS on sm_90 bf16, `torch._grouped_mm` elsewhere; it pads K and N
+itself), with the base module's `grouped_gemm_backend` when it has one: there is no silent
+per-expert loop behind it.
 
 Detection is by protocol (`num_gemms`, `weight0..`, `explicit_expert_comm`), so the site also
 serves any module with that call shape; row vs column comes from the class name (or an
-`art_lora_kind` attribute).
+`art_lora_kind` attribute). Our `ArtGroupedLinear` (the experts of `ArtGroupedMLP`) stores all
+experts in one `weight` [E, in, out] and says so with `art_stacked_weight = True`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from art_megatron_ext.ops import grouped_gemm
 
 from .adapter import LoraAdapter
 from .padding import round_up
@@ -26,12 +32,29 @@ GROUPED_COLUMN = "grouped_column"
 GROUPED_ROW = "grouped_row"
 
 
+def _stacked(module: torch.nn.Module) -> bool:
+    return getattr(module, "art_stacked_weight", False) is True
+
+
 def is_grouped_linear(module: torch.nn.Module) -> bool:
-    return isinstance(getattr(module, "num_gemms", None), int) and hasattr(module, "weight0")
+    if not isinstance(getattr(module, "num_gemms", None), int):
+        return False
+    return hasattr(module, "weight0") or _stacked(module)
 
 
 def grouped_weight(module: torch.nn.Module) -> torch.Tensor:
-    return module.weight0
+    """The parameter that carries dtype, device and the expert `allreduce` flag."""
+    return module.weight if _stacked(module) else module.weight0
+
+
+def grouped_local_out_in(module: torch.nn.Module) -> tuple[int, int]:
+    """(out, in) of one expert on this rank: TE's `weight0` is [out, in], a stacked weight
+    [E, in, out]."""
+    if _stacked(module):
+        _, fan_in, fan_out = module.weight.shape
+        return int(fan_out), int(fan_in)
+    out_local, in_local = module.weight0.shape
+    return int(out_local), int(in_local)
 
 
 def _grouped_kind(module: torch.nn.Module) -> str:
@@ -53,7 +76,7 @@ def describe_grouped_linear(path: str, module, modules) -> SiteInfo:
     tp_group = getattr(module, "tp_group", None) or getattr(module, "_tp_group", None)
     tp_size, tp_rank = _group_size_rank(tp_group)
     module.tp_group = tp_group
-    out_local, in_local = module.weight0.shape
+    out_local, in_local = grouped_local_out_in(module)
     kind = _grouped_kind(module)
     column = kind == GROUPED_COLUMN
     experts = modules[path.rsplit(".", 1)[0]] if "." in path else module
@@ -85,17 +108,15 @@ def grouped_linear_ref(x: torch.Tensor, weight: torch.Tensor, m_splits) -> torch
     return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, m_splits) -> torch.Tensor:
-    """`grouped_linear_ref` through `torch._grouped_mm` when it accepts the operands."""
-    grouped_mm = getattr(torch, "_grouped_mm", None)
-    if grouped_mm is None or x.dtype != weight.dtype:
-        return grouped_linear_ref(x, weight, m_splits)
-    splits = torch.as_tensor(list(m_splits), dtype=torch.int64, device=x.device)
-    offs = torch.cumsum(splits, 0).to(torch.int32)
-    try:
-        return grouped_mm(x.contiguous(), weight.transpose(-2, -1), offs=offs)
-    except RuntimeError:  # stride or dtype the kernel refuses: same math, one GEMM per expert
-        return grouped_linear_ref(x, weight, m_splits)
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, m_splits, backend: str = "auto"
+) -> torch.Tensor:
+    """`grouped_linear_ref` as one grouped GEMM: x [T, in] by per-expert weight [E, n, in]
+    (the `nn.Linear` layout, used through its transposed view without a copy) -> [T, n].
+
+    Runs the project's `grouped_gemm` op; a backend that cannot take the operands raises
+    (naming why) instead of falling back to a loop."""
+    return grouped_gemm(x, weight.transpose(-2, -1), m_splits, backend=backend)
 
 
 class GroupedLoraSite(LoraSite):
@@ -123,7 +144,9 @@ class GroupedLoraSite(LoraSite):
             per_expert.append(a)
         return torch.stack(per_expert)
 
-    def delta(self, x: torch.Tensor, adapter: LoraAdapter, m_splits=None) -> torch.Tensor:
+    def delta(
+        self, x: torch.Tensor, adapter: LoraAdapter, m_splits=None, backend: str = "auto"
+    ) -> torch.Tensor:
         from megatron.core import tensor_parallel as tp
 
         a, b = adapter.a, adapter.b
@@ -132,8 +155,8 @@ class GroupedLoraSite(LoraSite):
                 a = tp.copy_to_tensor_model_parallel_region(a, group=self.tp_group)
             else:
                 b = tp.copy_to_tensor_model_parallel_region(b, group=self.tp_group)
-        h = grouped_linear(x.to(a.dtype), a, m_splits) * adapter.scaling
-        return grouped_linear(h, b, m_splits)[:, : self.info.out_local]
+        h = grouped_linear(x.to(a.dtype), a, m_splits, backend) * adapter.scaling
+        return grouped_linear(h, b, m_splits, backend)[:, : self.info.out_local]
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         raise NotImplementedError(
@@ -148,4 +171,5 @@ class GroupedLoraSite(LoraSite):
         x = args[0] if args else kwargs["inp"]
         m_splits = args[1] if len(args) > 1 else kwargs["m_splits"]
         out, bias = output
-        return out + self.delta(x, adapter, m_splits).to(out.dtype), bias
+        backend = getattr(module, "grouped_gemm_backend", "auto")
+        return out + self.delta(x, adapter, m_splits, backend).to(out.dtype), bias

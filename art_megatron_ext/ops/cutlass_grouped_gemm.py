@@ -15,7 +15,7 @@ import torch
 
 from hybridep import build as kbuild
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 CONFIG_AUTO = -1
 CONFIG_NAMES = {0: "cooperative_256x128x64", 1: "pingpong_128x128x64"}
 SYMBOLS = (
@@ -38,6 +38,10 @@ class CutlassGroupedGemmError(RuntimeError):
     """A call into the CUTLASS grouped GEMM library returned an error status."""
 
 
+class GroupedGemmCountsError(ValueError):
+    """Device-side `tokens_per_expert` did not describe the rows of x (found on the GPU)."""
+
+
 class GroupedGemmParams(ctypes.Structure):
     """Mirror of `ArtGroupedGemmParams` in csrc/grouped_gemm/grouped_gemm.h (same field order)."""
 
@@ -58,6 +62,7 @@ class GroupedGemmParams(ctypes.Structure):
         ("stream", ctypes.c_void_p),
         ("device", ctypes.c_int32),
         ("reserved", ctypes.c_int32),
+        ("error_flag", ctypes.c_void_p),
     ]
 
 
@@ -113,6 +118,43 @@ def _check(status: int, what: str) -> None:
         raise CutlassGroupedGemmError(f"CUTLASS grouped GEMM {what} failed: {reason}")
 
 
+_ERROR_FLAGS: dict[int, torch.Tensor] = {}
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _error_flag(device: torch.device) -> torch.Tensor:
+    """int32 [1] in pinned host memory for `device`: the kernels' setup step stores 1 there
+    when the device-side group ends are inconsistent (pinned memory is mapped into the GPU's
+    address space, so the host reads it without a synchronization)."""
+    index = _device_index(device)
+    if index not in _ERROR_FLAGS:
+        _ERROR_FLAGS[index] = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    return _ERROR_FLAGS[index]
+
+
+def check_device_errors() -> None:
+    """Raise `GroupedGemmCountsError` if a finished call met a device-side `tokens_per_expert`
+    that does not sum to its rows (or was negative). No synchronization: call it after one
+    you already have (every call of this module does it on entry). The bad groups were
+    computed as empty, so nothing outside the tensors was touched; the outputs of that call
+    are wrong. Clears the flag."""
+    for index, flag in _ERROR_FLAGS.items():
+        if int(flag[0]) != 0:
+            flag.zero_()
+            raise GroupedGemmCountsError(
+                f"a CUTLASS grouped GEMM on cuda:{index} got tokens_per_expert (on the GPU) that "
+                "is negative or does not sum to x.shape[0]; its output is wrong (the groups "
+                "past the mismatch were left empty). Fix the counts the router produced."
+            )
+
+
+def _stream_of(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def _params(a, b, out, group_end, k, n, total_rows, config) -> GroupedGemmParams:
     return GroupedGemmParams(
         abi_version=ABI_VERSION,
@@ -126,17 +168,23 @@ def _params(a, b, out, group_end, k, n, total_rows, config) -> GroupedGemmParams
         a=a.data_ptr(),
         b=b.data_ptr(),
         out=out.data_ptr(),
-        stream=torch.cuda.current_stream(a.device).cuda_stream,
-        device=a.device.index if a.device.index is not None else torch.cuda.current_device(),
+        stream=_stream_of(a.device),
+        device=_device_index(a.device),
+        error_flag=_error_flag(a.device).data_ptr(),
     )
 
 
 def _call(op: str, params: GroupedGemmParams, device, lib) -> None:
-    size = ctypes.c_int64(0)
-    _check(lib.art_grouped_gemm_workspace_size(ctypes.byref(params), ctypes.byref(size)), op)
-    workspace = torch.empty(size.value, dtype=torch.uint8, device=device)
-    params.workspace = workspace.data_ptr()
-    params.workspace_bytes = size.value
+    """Run one op. Zero rows need no workspace: the library returns (fwd/dgrad) or only
+    zeroes dW (wgrad) without reading the row matrices, whose data pointers are then null."""
+    check_device_errors()
+    workspace = None
+    if params.total_rows > 0:
+        size = ctypes.c_int64(0)
+        _check(lib.art_grouped_gemm_workspace_size(ctypes.byref(params), ctypes.byref(size)), op)
+        workspace = torch.empty(size.value, dtype=torch.uint8, device=device)
+        params.workspace = workspace.data_ptr()
+        params.workspace_bytes = size.value
     _check(getattr(lib, f"art_grouped_gemm_{op}")(ctypes.byref(params)), op)
 
 

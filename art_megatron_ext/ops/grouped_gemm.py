@@ -44,6 +44,11 @@ def cutlass_unavailable_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
         return f"GPU {x.device} has compute capability {major}.{minor}; the kernel is sm_90a"
     if shutil.which("nvcc") is None:
         return "nvcc is not on PATH, so the CUTLASS kernel cannot be built"
+    from art_megatron_ext.ops.cutlass_grouped_gemm import cutlass_unavailable_reason as headers
+
+    missing = headers()  # no nvidia-cutlass and no $ART_CUTLASS_DIR: say so, do not crash
+    if missing is not None:
+        return missing
     return None
 
 
@@ -161,7 +166,12 @@ def grouped_gemm(
         w: [G, K, N] one weight per expert (local experts of this rank); a transposed view
             of an `nn.Linear`-layout [G, N, K] tensor is used without a copy.
         tokens_per_expert: [G] row counts (CPU or device tensor, or a list); zeros allowed; they
-            must sum to T (checked when on the CPU; on the GPU that check would sync).
+            must sum to T. On the CPU this is checked before anything runs. On the GPU a
+            host check would synchronize, so the CUTLASS kernel checks on the device: a bad
+            group is computed as empty (nothing outside the tensors is touched) and the next
+            call, or `cutlass_grouped_gemm.check_device_errors()` after a synchronization
+            the caller already has, raises `GroupedGemmCountsError`. The torch backend does
+            not check device counts (precondition).
         backend: "auto" (CUTLASS on sm_90 bf16, else torch), "cutlass" or "torch".
 
     Returns:

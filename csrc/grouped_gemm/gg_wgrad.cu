@@ -4,12 +4,13 @@
 
 namespace art_gg {
 
-// dW_g of a group with no rows is zero; its GEMM has no tiles, so zero it here instead.
-__global__ void zero_empty_groups(const int32_t* group_end, int groups, int64_t elems_per_group,
-                                  uint4* dw) {
+// dW_g of a group with no rows is zero; its GEMM has no tiles, so zero it here instead (a
+// group made empty by an inconsistent group_end is zeroed too).
+__global__ void zero_empty_groups(const int32_t* group_end, int groups, int64_t total_rows,
+                                  int64_t elems_per_group, uint4* dw) {
   const int g = blockIdx.y;
-  const int64_t start = g == 0 ? 0 : group_end[g - 1];
-  if (group_end[g] != start) return;
+  int64_t start = 0;
+  if (group_rows(group_end, g, groups, total_rows, nullptr, &start) != 0) return;
   const int64_t vecs = elems_per_group * sizeof(Bf16) / sizeof(uint4);
   uint4* out = dw + g * vecs;
   for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < vecs;
@@ -19,11 +20,13 @@ __global__ void zero_empty_groups(const int32_t* group_end, int groups, int64_t 
 
 int wgrad(const ArtGroupedGemmParams* p, int /*config*/) {
   auto stream = static_cast<cudaStream_t>(p->stream);
+  if (p->total_rows == 0) {  // every group empty: dW = 0 is the whole answer (no group_end read)
+    return cudaMemsetAsync(p->out, 0, p->num_groups * p->k * p->n * sizeof(Bf16), stream);
+  }
   dim3 grid(8, p->num_groups);
-  zero_empty_groups<<<grid, 256, 0, stream>>>(p->group_end, p->num_groups, p->k * p->n,
-                                             static_cast<uint4*>(p->out));
+  zero_empty_groups<<<grid, 256, 0, stream>>>(p->group_end, p->num_groups, p->total_rows,
+                                             p->k * p->n, static_cast<uint4*>(p->out));
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  if (p->total_rows == 0) return ART_OK;  // every group empty: zeroing was the whole answer
   return run<WgradCoop, OpKind::kWgrad>(p);
 }
 

@@ -7,12 +7,20 @@
 //   dgrad : dY[T,n], W[G,k,n] -> dX[T,k]     dX_g = dY_g @ W_g^T
 //   wgrad : X[T,k] , dY[T,n]  -> dW[G,k,n]   dW_g = X_g^T @ dY_g  (zero for an empty group)
 // k and n must be multiples of 8 (16-byte TMA strides); the Python op pads to that.
+//
+// Zero rows: with total_rows == 0 the row matrices are empty and their pointers may be null
+// (PyTorch hands out null data pointers for 0-byte CUDA tensors); fwd/dgrad then return
+// ART_OK without touching the device and wgrad only zeroes dW.
+// Device-side counts: group_end lives on the GPU, so it is validated there (non-decreasing,
+// last == total_rows). A group that breaks this is treated as empty (no out-of-bounds access)
+// and, when `error_flag` is set, the device stores 1 there; the caller reads it later without
+// a synchronization (mapped host memory) and raises.
 #pragma once
 #include <cstdint>
 
 #include "art_abi.h"
 
-#define ART_GROUPED_GEMM_ABI_VERSION 1u
+#define ART_GROUPED_GEMM_ABI_VERSION 2u
 
 enum ArtGroupedGemmConfig : int32_t {
   ART_GG_CONFIG_AUTO = -1,
@@ -38,6 +46,7 @@ struct ArtGroupedGemmParams {
   void* stream;              // cudaStream_t of `device`
   int32_t device;            // CUDA ordinal; set current in this library's (static) runtime
   int32_t reserved;          // 0
+  int32_t* error_flag;       // optional (may be null): set to 1 on inconsistent group_end
 };
 
 ART_API uint32_t art_grouped_gemm_abi_version(void);

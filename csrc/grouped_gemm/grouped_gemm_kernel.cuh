@@ -116,12 +116,14 @@ GroupArrays<G> carve(void* workspace, int64_t groups) {
 // One thread per group: shape, pointers and (group-invariant) strides of group g.
 template <class G, OpKind kOp>
 __global__ void setup_groups(GroupArrays<G> g, const int32_t* group_end, int groups, int k, int n,
-                             const Bf16* a, const Bf16* b, Bf16* d, typename G::StrideA sa,
+                             int64_t total_rows, int32_t* error_flag, const Bf16* a,
+                             const Bf16* b, Bf16* d, typename G::StrideA sa,
                              typename G::StrideB sb, typename G::StrideD sd) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= groups) return;
-  const int64_t start = i == 0 ? 0 : group_end[i - 1];
-  const int rows = static_cast<int>(group_end[i] - start);
+  int64_t start = 0;
+  const int rows = static_cast<int>(group_rows(group_end, i, groups, total_rows, error_flag,
+                                               &start));
   const int64_t kn = static_cast<int64_t>(k) * n;
   if constexpr (kOp == OpKind::kFwd) {  // Y_g[r,n] = X_g[r,k] @ W_g[k,n]
     g.shapes[i] = GroupShape(rows, n, k);
@@ -198,7 +200,7 @@ int run(const ArtGroupedGemmParams* p) {
   }
   const int threads = 128;
   setup_groups<G, kOp><<<(groups + threads - 1) / threads, threads, 0, stream>>>(
-      g, p->group_end, groups, k, n, static_cast<const Bf16*>(p->a),
+      g, p->group_end, groups, k, n, p->total_rows, p->error_flag, static_cast<const Bf16*>(p->a),
       static_cast<const Bf16*>(p->b), static_cast<Bf16*>(p->out), sa, sb, sd);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   auto args = make_arguments<G>(g, groups);

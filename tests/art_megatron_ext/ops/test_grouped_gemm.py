@@ -146,3 +146,103 @@ def test_linear_layout_weight_view_is_used_without_copy(dtype):
     _close(x.grad, x64.grad, dtype)
     assert w_linear.grad.shape == w_linear.shape
     _close(w_linear.grad, w64.grad.transpose(1, 2), dtype)
+
+
+# -- backend choice without CUTLASS headers, and what crosses the C ABI (CPU twins) ---------
+class _FakeCudaTensor:
+    """What `cutlass_unavailable_reason` reads of a tensor on an sm_90 GPU."""
+
+    is_cuda, dtype, device = True, torch.bfloat16, "cuda:0"
+
+
+def test_auto_checks_the_cutlass_headers_before_choosing_cutlass(monkeypatch, tmp_path):
+    """An sm_90 GPU with nvcc but no `nvidia-cutlass` (and no $ART_CUTLASS_DIR tree): "auto"
+    must take torch (it used to pick CUTLASS and die with ModuleNotFoundError on the first
+    call) and an explicit "cutlass" must say which headers are missing."""
+    import importlib
+
+    gg = importlib.import_module("art_megatron_ext.ops.grouped_gemm")  # the module, not the op
+
+    monkeypatch.setattr(gg.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(gg.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setenv("ART_CUTLASS_DIR", str(tmp_path))  # a tree without the headers
+    x = w = _FakeCudaTensor()
+    assert gg.resolve_backend("auto", x, w) == "torch"
+    with pytest.raises(GroupedGemmBackendError, match="CUTLASS headers"):
+        gg.resolve_backend("cutlass", x, w)
+
+
+class _RecordingLib:
+    """Stands in for libart_grouped_gemm.so: records the params of each call."""
+
+    def __init__(self, raise_flag: bool = False) -> None:
+        self.calls: list[tuple[str, dict]] = []
+        self.raise_flag = raise_flag
+
+    def _record(self, name, ref):
+        p = ref._obj
+        self.calls.append((name, {f: getattr(p, f) for f, _ in p._fields_}))
+        if self.raise_flag:  # what the device does on inconsistent group ends
+            import ctypes
+
+            ctypes.c_int32.from_address(p.error_flag).value = 1
+        return 0
+
+    def art_grouped_gemm_workspace_size(self, ref, size_ref):
+        self.calls.append(("workspace_size", {}))
+        size_ref._obj.value = 1024
+        return 0
+
+    def __getattr__(self, name):
+        if name.startswith("art_grouped_gemm_"):
+            return lambda ref: self._record(name.removeprefix("art_grouped_gemm_"), ref)
+        raise AttributeError(name)
+
+
+@pytest.fixture
+def cg_on_cpu(monkeypatch):
+    from art_megatron_ext.ops import cutlass_grouped_gemm as cg
+
+    flags: dict = {}
+    monkeypatch.setattr(cg, "_stream_of", lambda device: 0)
+    monkeypatch.setattr(cg, "_device_index", lambda device: 0)
+    monkeypatch.setattr(cg, "_ERROR_FLAGS", flags)
+    monkeypatch.setattr(
+        cg, "_error_flag", lambda device: flags.setdefault(0, torch.zeros(1, dtype=torch.int32))
+    )
+    return cg
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+def test_zero_rows_pass_null_row_pointers_and_allocate_no_workspace(cg_on_cpu, op):
+    lib = _RecordingLib()
+    x = torch.zeros(0, 64, dtype=torch.bfloat16)
+    w = torch.randn(4, 64, 32).to(torch.bfloat16)
+    ends = torch.zeros(4, dtype=torch.int32)
+    a = x if op == "fwd" else torch.zeros(0, 32, dtype=torch.bfloat16)
+    out = getattr(cg_on_cpu, op)(a, w, ends, lib=lib)
+    assert out.shape == ((0, 32) if op == "fwd" else (0, 64))
+    assert [name for name, _ in lib.calls] == [op]  # no workspace query at zero rows
+    params = lib.calls[0][1]
+    assert params["total_rows"] == 0 and params["a"] is None and params["out"] is None
+    assert params["b"] == w.data_ptr() and params["workspace"] is None
+
+
+def test_zero_rows_wgrad_passes_the_weight_gradient_to_zero(cg_on_cpu):
+    lib = _RecordingLib()
+    x, dy = torch.zeros(0, 64, dtype=torch.bfloat16), torch.zeros(0, 32, dtype=torch.bfloat16)
+    dw = cg_on_cpu.wgrad(x, dy, torch.zeros(3, dtype=torch.int32), lib=lib)
+    assert dw.shape == (3, 64, 32)
+    params = lib.calls[-1][1]
+    assert params["out"] == dw.data_ptr() and params["a"] is None and params["b"] is None
+
+
+def test_a_device_side_count_error_is_raised_by_the_next_call(cg_on_cpu):
+    """The device flags inconsistent group ends in pinned memory; the host raises at its next
+    call (or `check_device_errors()` after its own sync), without synchronizing itself."""
+    x, w = torch.randn(6, 64).to(torch.bfloat16), torch.randn(2, 64, 32).to(torch.bfloat16)
+    ends = torch.tensor([4, 9], dtype=torch.int32)  # 9 != 6 rows
+    cg_on_cpu.fwd(x, w, ends, lib=_RecordingLib(raise_flag=True))
+    with pytest.raises(cg_on_cpu.GroupedGemmCountsError, match="does not sum"):
+        cg_on_cpu.fwd(x, w, torch.tensor([4, 6], dtype=torch.int32), lib=_RecordingLib())
+    cg_on_cpu.check_device_errors()  # cleared after it was reported

@@ -1,8 +1,10 @@
 """CUTLASS grouped GEMM on an sm_90 GPU against torch._grouped_mm and a float64 loop.
 
 CPU twin: tests/hybridep/test_build_kernels.py compiles the same library and checks its C ABI
-(argument checks, config choice, version refusal) without a GPU, and test_grouped_gemm.py
-checks that asking for `backend="cutlass"` on CPU is an error.
+(argument checks, config choice, version refusal) without a GPU,
+tests/hybridep/test_kernels_zero_rows_abi.py calls its zero-row entry points for real, and
+test_grouped_gemm.py checks the Python marshalling (null pointers, no workspace at zero rows,
+the device-counts flag) and that `backend="cutlass"` on CPU is an error.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from art_megatron_ext.ops import grouped_gemm
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-pytestmark = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")]
 
 CASES = [
     # groups, k, n, counts (config follows from rows per group: <256 ping-pong, else coop)
@@ -91,3 +93,35 @@ def test_linear_layout_weight_view_matches_torch_backend():
         results[backend] = (y.detach(), xb.grad, wb.grad)
     for a, b in zip(results["cutlass"], results["torch"], strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * max(b.abs().max().item(), 1.0))
+
+
+def test_zero_rows_on_every_expert_forward_and_backward():
+    """A rank whose experts got no token: x is [0, k] (a null data pointer); y and dx are
+    empty and dW is exactly zero for every expert (ABI 1 refused the null pointers)."""
+    x = torch.zeros(0, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, 256, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = grouped_gemm(x, w, torch.zeros(4, dtype=torch.int64, device="cuda"), backend="cutlass")
+    assert y.shape == (0, 128)
+    y.sum().backward()
+    assert x.grad.shape == (0, 256) and torch.count_nonzero(w.grad) == 0
+
+
+def test_device_counts_that_do_not_sum_to_the_rows_are_flagged_without_a_sync():
+    from art_megatron_ext.ops import cutlass_grouped_gemm as cg
+
+    x = torch.randn(10, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    bad_counts = torch.tensor([4, 9], device="cuda")  # sum 13, x has 10 rows
+    cg._error_flag(x.device)  # allocated once per device (pinned), before the check below
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the op must not read the counts on the host
+    try:
+        grouped_gemm(x, w, bad_counts, backend="cutlass")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()  # a sync point the caller already has
+    with pytest.raises(cg.GroupedGemmCountsError, match=r"does not sum to x\.shape"):
+        cg.check_device_errors()
+    cg.check_device_errors()  # cleared: the next call runs normally
+    y = grouped_gemm(x, w, torch.tensor([4, 6], device="cuda"), backend="cutlass")
+    torch.testing.assert_close(y[:4], x[:4] @ w[0], rtol=2e-2, atol=2e-1)
