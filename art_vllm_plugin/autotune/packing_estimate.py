@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -88,10 +89,20 @@ def shape_tree(shape: GroupShape, name: str = "group") -> PrefixTree:
     return PrefixTree(members=members, nodes=nodes, roots=roots, paths=paths)
 
 
+@lru_cache(maxsize=8192)
+def _cached_tree(shape: GroupShape) -> PrefixTree:
+    """Trees are only read by placement, so one per distinct shape serves every batch."""
+    return shape_tree(shape)
+
+
 def packed_rows(shapes: Sequence[GroupShape], seq_len: int) -> int:
     """Rows the project's packer uses for these groups (raises if a member exceeds a row)."""
-    trees = [shape_tree(s, f"group {i}") for i, s in enumerate(shapes)]
-    return len(place_trajectories(trees, seq_len))
+    for i, shape in enumerate(shapes):
+        if shape.longest > seq_len:
+            raise ValueError(
+                f"group {i}: a member of {shape.longest} tokens does not fit a row of {seq_len}"
+            )
+    return len(place_trajectories([_cached_tree(s) for s in shapes], seq_len))
 
 
 @dataclass(frozen=True)
