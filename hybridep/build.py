@@ -5,12 +5,20 @@ sit behind a small C ABI anyway, so a plain `nvcc -shared` library loaded with `
 with every torch build (a CPU torch included, where a launch returns a CUDA error instead of
 crashing). See docs/kernels.md.
 
-Cache key = sha256 over (library name, every source and header byte, nvcc version, torch
-version, flags, target arch). An entry is a directory `<cache_dir>/<name>-<key16>/` holding
-`lib<name>.so` and `meta.json`. Several ranks may build at once: they serialise on a file lock
-beside the entry, the first builds into a per-process temporary file and renames it into place
-atomically, the rest find it done. A library built for another arch than the current GPU is
-refused, never loaded.
+The cache key is computed without running anything (so a cached library loads on a machine
+without nvcc): sha256 over the library name, every source and local header byte, the flags,
+the target arch and the spec's version tags (e.g. the CUTLASS version read from its headers).
+An entry `<cache_dir>/<name>-<key16>/` holds `lib<name>.so` and `meta.json`, which records
+what the key cannot know beforehand: the sha256 and size of the library, its exported symbols,
+the nvcc version that built it, and the sha256 of every external header the compiler actually
+read (nvcc `-MD`). A cache hit is used only if all of these still hold: the library's digest
+(a truncated or replaced file would crash `dlopen` with SIGBUS), the spec's symbols, the
+headers (an edited or upgraded CUTLASS tree), and, when nvcc is on PATH, its version. Anything
+else is a corrupt or stale entry: it is rebuilt with a message naming the reason.
+
+Several ranks may build at once: they serialise on a file lock beside the entry, the first
+builds into a per-process temporary directory and renames the library into place atomically,
+the rest find it done. A library built for another arch than the current GPU is refused.
 """
 
 from __future__ import annotations
@@ -29,22 +37,48 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 CACHE_DIR_ENV = "ART_PIPELINE_KERNEL_CACHE"
 """Documented override of the default cache directory (a typed `BuildConfig` wins over it)."""
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CSRC_DIR = REPO_ROOT / "csrc"
+PACKAGE_CSRC = Path(__file__).resolve().parent / "_csrc"
+"""Where the CUDA sources sit in an installed wheel (package data, copied by setup.py)."""
+CHECKOUT_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+"""Where they sit in a source checkout (and an editable install)."""
 SM90A = "sm_90a"
+META_VERSION = 2
 _HEADER_SUFFIXES = (".h", ".cuh", ".hpp")
 
 
 class KernelBuildError(RuntimeError):
-    """nvcc failed (the message carries the compiler's output) or nvcc is missing."""
+    """nvcc failed (the message carries the compiler's output), nvcc or the sources are
+    missing, or a library lacks a symbol of its C ABI."""
 
 
 class KernelArchMismatch(RuntimeError):
     """A cached library was built for another GPU arch than the one present."""
+
+
+def _first_csrc() -> Path:
+    for candidate in (PACKAGE_CSRC, CHECKOUT_CSRC):
+        if (candidate / "common" / "art_abi.h").is_file():
+            return candidate
+    return CHECKOUT_CSRC
+
+
+CSRC_DIR = _first_csrc()
+"""The CUDA sources: the installed package's copy first, else the checkout's `csrc/`."""
+
+
+def find_csrc() -> Path:
+    """`CSRC_DIR`, or a `KernelBuildError` naming both places looked at when it is absent."""
+    if not (CSRC_DIR / "common" / "art_abi.h").is_file():
+        raise KernelBuildError(
+            f"CUDA sources not found: looked for {PACKAGE_CSRC} (installed package) and "
+            f"{CHECKOUT_CSRC} (source checkout); reinstall art-pipeline"
+        )
+    return CSRC_DIR
 
 
 def default_cache_dir() -> Path:
@@ -64,7 +98,8 @@ class BuildConfig:
     arch: str = SM90A
     """Target arch, e.g. "sm_90a"; compiled as `-gencode arch=compute_90a,code=sm_90a`."""
     verbose: bool = True
-    """Print progress (compile start/end, waiting on another builder's lock) to stderr."""
+    """Print progress (compile start/end, waiting on another builder's lock) to stderr.
+    A corrupt or stale cache entry is reported whatever this says."""
     lock_timeout_s: float = 1800.0
     jobs: int = 1
     """Translation units compiled at once (1 on a small shared box; more on a GPU host)."""
@@ -82,6 +117,8 @@ class KernelLibrarySpec:
     extra_flags: tuple[str, ...] = ()
     headers: tuple[Path, ...] = ()
     """Extra headers hashed into the key; headers next to the sources are hashed anyway."""
+    version_tags: tuple[str, ...] = ()
+    """Versions of external inputs known without compiling (e.g. "cutlass=4.2.0"): in the key."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +127,10 @@ class BuiltLibrary:
     path: Path
     key: str
     arch: str
+
+
+class _StaleEntry(Exception):
+    """A cache entry that must not be loaded; the message says why."""
 
 
 def base_flags(arch: str) -> tuple[str, ...]:
@@ -106,9 +147,13 @@ def base_flags(arch: str) -> tuple[str, ...]:
     )
 
 
+def _nvcc_exe(nvcc: str) -> str | None:
+    return shutil.which(nvcc)
+
+
 @functools.lru_cache(maxsize=8)
 def nvcc_version(nvcc: str = "nvcc") -> str:
-    exe = shutil.which(nvcc)
+    exe = _nvcc_exe(nvcc)
     if exe is None:
         raise KernelBuildError(
             f"nvcc not found (looked for {nvcc!r} on PATH); install the CUDA toolkit or set "
@@ -136,15 +181,17 @@ def _hashed_files(spec: KernelLibrarySpec) -> list[Path]:
 
 
 def cache_key(spec: KernelLibrarySpec, config: BuildConfig) -> str:
-    """sha256 of everything that changes the binary; external include trees count by path."""
+    """sha256 of everything known before compiling that changes the binary.
+
+    Runs no program: nvcc's version and the external headers the compiler reads are recorded
+    in the entry's meta.json and checked there. Include paths count by content, not location,
+    so the same CUTLASS tree found elsewhere (a carried copy) hits the same entry."""
     h = hashlib.sha256()
     for part in (
         spec.name,
-        nvcc_version(config.nvcc),
-        _torch_version(),
         config.arch,
         " ".join(base_flags(config.arch) + spec.extra_flags),
-        " ".join(str(p) for p in spec.include_dirs),
+        " ".join(spec.version_tags),
     ):
         h.update(part.encode())
         h.update(b"\0")
@@ -162,8 +209,8 @@ def library_path(spec: KernelLibrarySpec, config: BuildConfig) -> Path:
     return entry_dir(spec, config) / f"lib{spec.name}.so"
 
 
-def _say(config: BuildConfig, msg: str) -> None:
-    if config.verbose:
+def _say(config: BuildConfig, msg: str, always: bool = False) -> None:
+    if config.verbose or always:
         print(f"[art-pipeline kernels] {msg}", file=sys.stderr, flush=True)
 
 
@@ -176,22 +223,75 @@ def _run_nvcc(cmd: list[str], what: str) -> None:
         )
 
 
-def _compile(spec: KernelLibrarySpec, config: BuildConfig, out: Path, workdir: Path) -> None:
-    nvcc = shutil.which(config.nvcc) or config.nvcc
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def parse_depfile(text: str) -> list[str]:
+    """Prerequisites of a make-style dependency file written by `nvcc -MD -MF`."""
+    body = text.replace("\\\n", " ")
+    deps: list[str] = []
+    for line in body.splitlines():
+        if ":" not in line:
+            continue
+        _, _, rest = line.partition(": ")
+        token = ""
+        for part in rest.split(" "):
+            if token:
+                token += " " + part
+            elif part:
+                token = part
+            else:
+                continue
+            if token.endswith("\\"):  # an escaped space inside a path
+                token = token[:-1]
+                continue
+            deps.append(token)
+            token = ""
+    return deps
+
+
+def _used_headers(spec: KernelLibrarySpec, dep_files: list[Path]) -> list[list[Any]]:
+    """[include-dir index, path inside it, sha256] of every header the compiler read from an
+    include dir of the spec (CUDA and system headers are covered by the nvcc version)."""
+    roots = [d.resolve() for d in spec.include_dirs]
+    found: dict[tuple[int, str], str] = {}
+    for dep_file in dep_files:
+        for dep in parse_depfile(dep_file.read_text()):
+            path = (dep_file.parent / dep).resolve()
+            if path.suffix not in _HEADER_SUFFIXES:
+                continue
+            for index, root in enumerate(roots):
+                if path.is_relative_to(root):
+                    rel = path.relative_to(root).as_posix()
+                    found.setdefault((index, rel), _file_digest(path))
+                    break
+    return [[index, rel, digest] for (index, rel), digest in sorted(found.items())]
+
+
+def _compile(spec: KernelLibrarySpec, config: BuildConfig, out: Path, workdir: Path) -> list:
+    nvcc = _nvcc_exe(config.nvcc) or config.nvcc
     flags = [*base_flags(config.arch), *spec.extra_flags]
     flags += [f"-I{d}" for d in spec.include_dirs]
-    objects = [str(workdir / f"{i:02d}_{src.stem}.o") for i, src in enumerate(spec.sources)]
+    objects = [workdir / f"{i:02d}_{src.stem}.o" for i, src in enumerate(spec.sources)]
 
     def compile_one(i: int) -> None:
         src, t0 = spec.sources[i], time.monotonic()
         _say(config, f"{spec.name}: compiling {src.name} ({i + 1}/{len(spec.sources)}) ...")
-        _run_nvcc([nvcc, *flags, "-c", str(src), "-o", objects[i]], f"{spec.name}/{src.name}")
+        dep = objects[i].with_suffix(".d")
+        cmd = [nvcc, *flags, "-MD", "-MF", str(dep), "-c", str(src), "-o", str(objects[i])]
+        _run_nvcc(cmd, f"{spec.name}/{src.name}")
         _say(config, f"{spec.name}: {src.name} done in {time.monotonic() - t0:.1f} s")
 
     with ThreadPoolExecutor(max_workers=max(1, config.jobs)) as pool:
         list(pool.map(compile_one, range(len(spec.sources))))  # re-raises the first failure
-    link = [nvcc, *base_flags(config.arch), "-shared", *objects, "-o", str(out)]
+    link = [nvcc, *base_flags(config.arch), "-shared", *map(str, objects), "-o", str(out)]
     _run_nvcc(link, f"{spec.name} (link)")
+    return _used_headers(spec, [o.with_suffix(".d") for o in objects])
 
 
 def exported_symbols(path: Path) -> set[str]:
@@ -202,41 +302,123 @@ def exported_symbols(path: Path) -> set[str]:
     return {line.split()[-1] for line in proc.stdout.splitlines() if line.strip()}
 
 
-def _check_symbols(spec: KernelLibrarySpec, path: Path) -> None:
-    missing = sorted(set(spec.symbols) - exported_symbols(path))
+def _check_symbols(spec: KernelLibrarySpec, path: Path) -> set[str]:
+    symbols = exported_symbols(path)
+    missing = sorted(set(spec.symbols) - symbols)
     if missing:
         raise KernelBuildError(f"{path} does not export the C ABI symbols {missing}")
+    return symbols
+
+
+def _verify_entry(
+    spec: KernelLibrarySpec, config: BuildConfig, entry: Path, lib: Path, key: str
+) -> BuiltLibrary:
+    """Check a cache entry against its meta.json without loading it; raise `_StaleEntry`."""
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+    except FileNotFoundError as exc:
+        raise _StaleEntry("meta.json is missing") from exc
+    except (OSError, ValueError) as exc:
+        raise _StaleEntry(f"meta.json is unreadable ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("meta_version") != META_VERSION:
+        raise _StaleEntry("meta.json is from another cache format or malformed")
+    try:
+        recorded_key, arch = meta["key"], meta["arch"]
+        size, digest, symbols = meta["size"], meta["sha256"], set(meta["symbols"])
+        headers, built_with = meta["headers"], meta["nvcc"]
+    except (KeyError, TypeError) as exc:
+        raise _StaleEntry(f"meta.json lacks the field {exc}") from exc
+    if recorded_key != key or meta.get("name") != spec.name:
+        raise _StaleEntry("meta.json belongs to another library or key")
+    if not lib.is_file():
+        raise _StaleEntry(f"{lib.name} is missing")
+    actual_size = lib.stat().st_size
+    if actual_size != size:
+        raise _StaleEntry(f"{lib.name} is {actual_size} bytes, {size} were built (truncated?)")
+    if _file_digest(lib) != digest:
+        raise _StaleEntry(f"{lib.name} does not match the sha256 recorded when it was built")
+    missing = sorted(set(spec.symbols) - symbols)
+    if missing:
+        raise _StaleEntry(f"{lib.name} does not export {missing}")
+    for index, rel, header_digest in headers:
+        if index >= len(spec.include_dirs):
+            raise _StaleEntry(f"header {rel} came from an include dir this spec does not have")
+        path = Path(spec.include_dirs[index]) / rel
+        if not path.is_file():
+            raise _StaleEntry(f"header {path} it was built with is gone")
+        if _file_digest(path) != header_digest:
+            raise _StaleEntry(f"header {path} changed since the library was built")
+    if _nvcc_exe(config.nvcc) is not None and nvcc_version(config.nvcc) != built_with:
+        raise _StaleEntry(f"built by {built_with!r}, nvcc on PATH is {nvcc_version(config.nvcc)!r}")
+    return BuiltLibrary(spec=spec, path=lib, key=key, arch=arch)
+
+
+def find_cached(spec: KernelLibrarySpec, config: BuildConfig | None = None) -> BuiltLibrary | None:
+    """The valid cached library for `spec`, or None; never compiles (works without nvcc)."""
+    config = config or BuildConfig()
+    key = cache_key(spec, config)
+    entry = Path(config.cache_dir) / f"{spec.name}-{key[:16]}"
+    try:
+        return _verify_entry(spec, config, entry, entry / f"lib{spec.name}.so", key)
+    except _StaleEntry:
+        return None
 
 
 def build(spec: KernelLibrarySpec, config: BuildConfig | None = None) -> BuiltLibrary:
-    """Return the cached library for `spec`, compiling it (once, across processes) if absent."""
+    """Return the cached library for `spec`, compiling it (once, across processes) if absent,
+    corrupt or stale."""
     config = config or BuildConfig()
     key = cache_key(spec, config)
     entry = Path(config.cache_dir) / f"{spec.name}-{key[:16]}"
     lib = entry / f"lib{spec.name}.so"
-    if lib.exists():
-        return _checked_entry(spec, entry, lib, key)
+    if (entry / "meta.json").exists() or lib.exists():
+        try:
+            return _verify_entry(spec, config, entry, lib, key)
+        except _StaleEntry:
+            pass  # re-checked under the lock: another process may be rebuilding it
     entry.mkdir(parents=True, exist_ok=True)
     with open(entry.with_suffix(".lock"), "w") as lock:
         _lock(lock, config, spec.name)
-        if not lib.exists():  # another builder may have finished while we waited
-            t0 = time.monotonic()
-            _say(config, f"{spec.name}: building for {config.arch} into {entry}")
-            with tempfile.TemporaryDirectory(prefix=f"build-{os.getpid()}-", dir=entry) as tmp:
-                tmp_lib = Path(tmp) / lib.name
-                _compile(spec, config, tmp_lib, Path(tmp))
-                _check_symbols(spec, tmp_lib)
-                meta = {
-                    "name": spec.name,
-                    "key": key,
-                    "arch": config.arch,
-                    "nvcc": nvcc_version(config.nvcc),
-                    "torch": _torch_version(),
-                }
-                (entry / "meta.json").write_text(json.dumps(meta, indent=1))
-                os.replace(tmp_lib, lib)  # atomic: readers see no library or a whole one
-            _say(config, f"{spec.name}: built in {time.monotonic() - t0:.1f} s")
-    return _checked_entry(spec, entry, lib, key)
+        if (entry / "meta.json").exists() or lib.exists():
+            try:
+                return _verify_entry(spec, config, entry, lib, key)
+            except _StaleEntry as why:
+                _say(config, f"{spec.name}: cache entry {entry} is unusable: {why}; rebuilding",
+                     always=True)  # fmt: skip
+                for stale in (lib, entry / "meta.json"):
+                    stale.unlink(missing_ok=True)
+        _build_entry(spec, config, entry, lib, key)
+        return _verify_entry(spec, config, entry, lib, key)
+
+
+def _build_entry(
+    spec: KernelLibrarySpec, config: BuildConfig, entry: Path, lib: Path, key: str
+) -> None:
+    version = nvcc_version(config.nvcc)  # raises the clear "nvcc not found" first
+    t0 = time.monotonic()
+    _say(config, f"{spec.name}: building for {config.arch} into {entry}")
+    with tempfile.TemporaryDirectory(prefix=f"build-{os.getpid()}-", dir=entry) as tmp:
+        tmp_lib = Path(tmp) / lib.name
+        headers = _compile(spec, config, tmp_lib, Path(tmp))
+        symbols = _check_symbols(spec, tmp_lib)
+        meta = {
+            "meta_version": META_VERSION,
+            "name": spec.name,
+            "key": key,
+            "arch": config.arch,
+            "nvcc": version,
+            "torch": _torch_version(),
+            "version_tags": list(spec.version_tags),
+            "size": tmp_lib.stat().st_size,
+            "sha256": _file_digest(tmp_lib),
+            "symbols": sorted(s for s in symbols if not s.startswith("_")),
+            "headers": headers,
+        }
+        tmp_meta = Path(tmp) / "meta.json"
+        tmp_meta.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp_lib, lib)  # atomic: readers see no library or a whole one
+        os.replace(tmp_meta, entry / "meta.json")
+    _say(config, f"{spec.name}: built in {time.monotonic() - t0:.1f} s")
 
 
 def _lock(lock_file, config: BuildConfig, name: str) -> None:
@@ -256,11 +438,6 @@ def _lock(lock_file, config: BuildConfig, name: str) -> None:
         f"timed out after {config.lock_timeout_s:.0f} s waiting for the build lock "
         f"{lock_file.name}; is another build of {name} hung?"
     )
-
-
-def _checked_entry(spec: KernelLibrarySpec, entry: Path, lib: Path, key: str) -> BuiltLibrary:
-    meta = json.loads((entry / "meta.json").read_text())
-    return BuiltLibrary(spec=spec, path=lib, key=key, arch=meta["arch"])
 
 
 def device_arch(device_index: int | None = None) -> str | None:
@@ -290,6 +467,11 @@ def check_arch(built: BuiltLibrary, current: str | None) -> None:
 
 
 def load(built: BuiltLibrary, current_arch: str | None) -> ctypes.CDLL:
-    """Load a built library with ctypes after refusing an arch mismatch."""
+    """Load a built library with ctypes after refusing an arch mismatch; every symbol of its
+    spec must resolve in the loaded object."""
     check_arch(built, current_arch)
-    return ctypes.CDLL(str(built.path))
+    lib = ctypes.CDLL(str(built.path))
+    missing = [name for name in built.spec.symbols if not hasattr(lib, name)]
+    if missing:
+        raise KernelBuildError(f"{built.path} loaded but does not resolve {missing}")
+    return lib
