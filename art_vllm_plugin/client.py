@@ -66,18 +66,30 @@ class ArtClient:
     def capabilities(self) -> dict:
         return self._json(self._http.get("/art/v1/capabilities"))
 
+    def latest_versions(self) -> dict[str, int]:
+        """{slot: version published now}: the `latest_version` for `validate_spans`."""
+        return {s["slot"]: s["version"] for s in self.slots()}
+
 
 def validate_spans(
     choice: Mapping[str, Any],
     num_tokens: int,
-    latest_version: int | Mapping[str, int] | None = None,
+    latest_version: int | Mapping[str, int],
 ) -> Sequence[Mapping[str, Any]]:
     """Check `choice["policy_spans"]` against its `num_tokens` completion tokens.
 
     Raises SpanError on a missing field, a gap, an overlap, an empty or out-of-order span, or
-    a version newer than `latest_version` (an int, or a mapping slot -> latest version): a
-    token cannot come from a policy the trainer has not published. Returns the spans.
+    a version newer than `latest_version` (an int, or a mapping slot -> latest version, e.g.
+    `ArtClient.latest_versions()`): a token cannot come from a policy the trainer has not
+    published. `latest_version` is required so that this check runs in every call; a mapping
+    that lacks a span's slot is an error too (base-model spans, slot None, are version 0).
+    Returns the spans.
     """
+    if latest_version is None or isinstance(latest_version, bool):
+        raise TypeError(
+            "validate_spans needs latest_version (an int, or a mapping slot -> latest "
+            f"published version), got {latest_version!r}"
+        )
     spans = choice.get("policy_spans")
     if spans is None:
         raise SpanError("choice has no policy_spans")
@@ -94,8 +106,14 @@ def validate_spans(
             raise SpanError(f"span {i} {span} is empty or reversed")
         limit = latest_version
         if isinstance(latest_version, Mapping):
-            limit = latest_version.get(span.get("slot"), 0 if span.get("slot") is None else None)
-        if limit is not None and version > limit:
+            slot = span.get("slot")
+            if slot is not None and slot not in latest_version:
+                raise SpanError(
+                    f"span {i} {span}: slot {slot!r} has no latest version in "
+                    f"{dict(latest_version)}"
+                )
+            limit = latest_version.get(slot, 0)
+        if version > limit:
             raise SpanError(
                 f"span {i} {span} has version {version}, newer than the latest "
                 f"published version {limit}"

@@ -13,6 +13,7 @@ Streaming responses carry spans per chunk: see `stream_spans`.
 from __future__ import annotations
 
 import functools
+import inspect
 from http import HTTPStatus
 
 from art_vllm_plugin import compat
@@ -66,12 +67,19 @@ def _wrap_chat_full_generator(original):
 
 #: The API server's slot registry, set by `install`; aliases are resolved against it.
 _REGISTRY: list = []
-#: Alias of a request in flight (by id of the request object), for its stream generator.
-_ALIASES: dict[int, aliases.Alias] = {}
+#: Alias of a request in flight, keyed by the request's own id (`request.request_id`, a
+#: fresh uuid unless the client sets one), for its stream generator. Not by `id(request)`:
+#: an entry left behind by a refused request would be found by a later, unrelated request
+#: object allocated at the same address.
+_ALIASES: dict[str, aliases.Alias] = {}
+
+
+def _key(request) -> str:
+    return request.request_id
 
 
 def pending_alias(request) -> aliases.Alias | None:
-    return _ALIASES.pop(id(request), None)
+    return _ALIASES.pop(_key(request), None)
 
 
 def _slots() -> dict:
@@ -89,13 +97,14 @@ def _wrap_create(original):
             )
         if alias is not None:
             request.model = alias.slot
-        if alias is not None:
-            _ALIASES[id(request)] = alias
+            _ALIASES[_key(request)] = alias
+        response = None
         try:
             response = await original(self, request, raw_request)
         finally:
-            if not getattr(request, "stream", False):
-                _ALIASES.pop(id(request), None)
+            if not inspect.isasyncgen(response):
+                # No stream generator will claim the alias (not streaming, refused, failed).
+                _ALIASES.pop(_key(request), None)
         if alias is not None and hasattr(response, "choices"):
             try:
                 aliases.check_choices(alias, response.choices)

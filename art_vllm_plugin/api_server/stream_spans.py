@@ -8,7 +8,7 @@ choice's chunk spans (merging neighbours of equal version) gives exactly the non
 
 How: vLLM keeps per-request weight-version starts in the output processor but only reports
 them on the final output. We attach the spans-so-far to every output
-(`RequestState._new_completion_output`), wrap the stream generator's `result_generator` to turn
+(vLLM's `RequestState`, through `compat`), wrap the stream generator's `result_generator` to turn
 each delta into spans for its new tokens, and add those to the chunk the generator yields for
 that choice. A stream on an exact alias (`slot@N`) whose tokens turn out to come from another
 version is ended with an error event instead of silently continuing.
@@ -21,6 +21,7 @@ import inspect
 import json
 from collections import defaultdict
 
+from art_vllm_plugin import compat
 from art_vllm_plugin.provenance import extend_spans, slot_spans, slot_version
 
 _MARK = "__art_stream_patched__"
@@ -115,21 +116,19 @@ def wrap_stream_generator(original, index_of):
 
 def _attach_spans_so_far(original):
     @functools.wraps(original)
-    def _new_completion_output(self, *args, **kwargs):
+    def new_completion_output(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
-        if out.weight_versions is None and self.weight_version_starts:
-            out.weight_versions = self._weight_version_spans()
+        if out.weight_versions is None:
+            out.weight_versions = compat.weight_version_spans_so_far(self)
         return out
 
-    return _new_completion_output
+    return new_completion_output
 
 
 def install(request_state_cls, completion_cls, chat_cls) -> None:
     if getattr(completion_cls, _MARK, False):
         return
-    request_state_cls._new_completion_output = _attach_spans_so_far(
-        request_state_cls._new_completion_output
-    )
+    compat.wrap_new_completion_output(request_state_cls, _attach_spans_so_far)
     completion_cls.completion_stream_generator = wrap_stream_generator(
         completion_cls.completion_stream_generator,
         lambda request, item, output: output.index + item[0] * (request.n or 1),
