@@ -1,12 +1,14 @@
 """art: a vLLM plugin for Pipeline RL (in-flight LoRA slot updates, per-token policy spans).
 
-This module holds only the entry-point callables named in pyproject.toml. Importing it is cheap
-and imports nothing from vLLM: vLLM imports it in every process whether or not the plugin is
-selected, and "installed but not selected" must change nothing.
+This module holds only the entry-point callable named in pyproject.toml and the two plugin
+classes vLLM receives when the plugin is selected. Importing it is cheap and imports nothing
+from vLLM: vLLM imports it in every process whether or not the plugin is selected, and
+"installed but not selected" must change nothing.
 
-- `vllm.general_plugins`  -> `register_general` (every vLLM process; idempotent)
-- `vllm.endpoint_plugins` -> `ArtEndpointPlugin` (API server; the `/art/*` routes)
-- `vllm.stat_logger_plugins` -> `ArtStatLogger` (API server; the metrics feed)
+- `vllm.general_plugins` -> `register_general` (every vLLM process; idempotent), the only
+  entry point. When `art` is selected it hands vLLM's endpoint and stat-logger plugin loading
+  `ArtEndpointPlugin` (API server; the `/art/*` routes) and `ArtStatLogger` (API server; the
+  metrics feed); see `art_vllm_plugin.plugin_loader` for why they are not entry points.
 """
 
 from __future__ import annotations

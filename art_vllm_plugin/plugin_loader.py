@@ -8,6 +8,13 @@ possibly more than once per process. `load()` is idempotent:
    option is inert until used.
 2. Only when the plugin is selected (`VLLM_PLUGINS` names `art`), it checks the vLLM version
    and activates the plugin's features for this process. Unselected, nothing else changes.
+
+The `/art/*` routes (an `EndpointPlugin`) and the metrics feed (a `StatLoggerBase`) are handed
+to vLLM's own plugin loading, `load_plugins_by_group`, for the endpoint and stat-logger groups,
+only when the plugin is selected. They are deliberately not entry points of those groups:
+with `VLLM_PLUGINS` unset vLLM instantiates every installed stat logger (and then forces
+`log_stats` on, even with `--disable-log-stats`) and warns about every installed endpoint
+plugin, so an installed but unselected plugin would change the server.
 """
 
 from __future__ import annotations
@@ -15,11 +22,12 @@ from __future__ import annotations
 import logging
 import os
 
-from art_vllm_plugin.selection import is_selected
+from art_vllm_plugin.selection import PLUGIN_NAME, is_selected
 
 logger = logging.getLogger("vllm.art_plugin")  # propagates to vLLM's handlers
 
 _state = {"cli_hook": False, "activated": False}
+_MARK = "__art_plugin_groups__"
 
 
 def load() -> None:
@@ -39,6 +47,7 @@ def activate() -> None:
     from art_vllm_plugin import compat, features
 
     version = compat.require_supported_vllm()
+    compat.wrap_load_plugins_by_group(_with_art_plugins, _MARK)
     features.activate_all()
     _state["activated"] = True
     logger.info("art plugin active in pid %d (vLLM %s)", os.getpid(), version)
@@ -46,3 +55,25 @@ def activate() -> None:
 
 def is_active() -> bool:
     return _state["activated"]
+
+
+def _with_art_plugins(original):
+    """`load_plugins_by_group` that adds the art endpoint plugin and stat logger when selected."""
+    from art_vllm_plugin import compat
+
+    endpoint_group, stat_logger_group = compat.plugin_groups()
+
+    def load_plugins_by_group(group: str):
+        plugins = original(group)
+        if is_selected() and group == endpoint_group:
+            from art_vllm_plugin.api_server.endpoint_plugin import ArtEndpointPlugin
+
+            plugins.setdefault(PLUGIN_NAME, ArtEndpointPlugin)
+        elif is_selected() and group == stat_logger_group:
+            from art_vllm_plugin.api_server.stat_logger import ArtStatLogger
+
+            plugins.setdefault(PLUGIN_NAME, ArtStatLogger)
+        return plugins
+
+    load_plugins_by_group.__wrapped__ = original
+    return load_plugins_by_group

@@ -1,7 +1,8 @@
-"""The `vllm.endpoint_plugins` entry point: attaches the `/art/*` router to the API server.
+"""The art endpoint plugin: attaches the `/art/*` router to the API server.
 
-vLLM loads endpoint plugins only when `VLLM_PLUGINS` names them, so a server started without
-`--plugin art` has no `/art/*` routes at all.
+vLLM instantiates it through its endpoint-plugin loading (`load_endpoint_plugins`), which the
+general plugin feeds only when `art` is selected (see `art_vllm_plugin.plugin_loader`), so a
+server started without `--plugin art` has no `/art/*` routes and no trace of the plugin.
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ class ArtEndpointPlugin:
         app.add_middleware(metrics_route.ArtMetricsMiddleware)  # added last: runs first
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
+        from art_vllm_plugin import compat, features
         from art_vllm_plugin.api_server.state import ArtApiState
 
         state.art = ArtApiState.create(engine_client=engine_client, args=args, app_state=state)
+        config = engine_client.vllm_config
+        layout = await compat.call_engine_utility(engine_client, "art_cpu_layout")
+        features.record_facts(
+            features.ServerFacts(
+                lora_enabled=config.lora_config is not None,
+                prefix_caching=bool(config.cache_config.enable_prefix_caching),
+                api_key=bool(state.art.api_key_digests),
+                cpu_layout_cpus=tuple(layout) if layout is not None else None,
+                refused_slots=tuple(sorted(state.art.slots.refused.items())),
+            )
+        )

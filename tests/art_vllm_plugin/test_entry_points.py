@@ -1,33 +1,74 @@
-"""The plugin is discovered through its three entry points, each named `art`."""
+"""The plugin is discovered through one entry point, `vllm.general_plugins: art`.
 
+The `/art/*` routes and the metrics feed reach vLLM's endpoint and stat-logger plugin loading
+only when `art` is selected: as entry points of those groups they would be instantiated (stat
+logger) or warned about (endpoint) by every server that merely has the package installed.
+Each selection case runs in a fresh interpreter: loading patches process-global vLLM objects.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from importlib.metadata import entry_points
 
 import pytest
 
-GROUPS = {
-    "vllm.general_plugins": "art_vllm_plugin:register_general",
-    "vllm.endpoint_plugins": "art_vllm_plugin:ArtEndpointPlugin",
-    "vllm.stat_logger_plugins": "art_vllm_plugin:ArtStatLogger",
-}
+GROUPS = ("vllm.general_plugins", "vllm.endpoint_plugins", "vllm.stat_logger_plugins")
 
 
-@pytest.mark.parametrize("group", sorted(GROUPS))
-def test_entry_point_is_registered_as_art(group):
-    found = {ep.name: ep.value for ep in entry_points(group=group)}
-    assert found.get("art") == GROUPS[group]
+def test_only_the_general_plugin_is_an_entry_point():
+    found = {g: {ep.name: ep.value for ep in entry_points(group=g)} for g in GROUPS}
+    assert found["vllm.general_plugins"].get("art") == "art_vllm_plugin:register_general"
+    assert "art" not in found["vllm.endpoint_plugins"]
+    assert "art" not in found["vllm.stat_logger_plugins"]
 
 
-def test_vllm_discovers_the_plugin_in_each_group(monkeypatch):
+LOAD = textwrap.dedent(
+    """
+    import json
     from vllm.plugins import (
-        DEFAULT_PLUGINS_GROUP,
-        ENDPOINT_PLUGINS_GROUP,
-        STAT_LOGGER_PLUGINS_GROUP,
-        load_plugins_by_group,
+        DEFAULT_PLUGINS_GROUP, ENDPOINT_PLUGINS_GROUP, load_general_plugins,
     )
+    import vllm.plugins
+    from vllm.v1.metrics import loggers
 
-    monkeypatch.setenv("VLLM_PLUGINS", "art")
-    for group in (DEFAULT_PLUGINS_GROUP, ENDPOINT_PLUGINS_GROUP, STAT_LOGGER_PLUGINS_GROUP):
-        assert "art" in load_plugins_by_group(group), group
+    load_general_plugins()
+    print(json.dumps({
+        "general": sorted(vllm.plugins.load_plugins_by_group(DEFAULT_PLUGINS_GROUP)),
+        "endpoint": {k: v.__name__ for k, v in
+                     vllm.plugins.load_plugins_by_group(ENDPOINT_PLUGINS_GROUP).items()},
+        "stat_logger": [f.__name__ for f in loggers.load_stat_logger_plugin_factories()],
+    }))
+    """
+)
+
+
+def _load(vllm_plugins: str | None) -> dict:
+    env = dict(os.environ)
+    env.pop("VLLM_PLUGINS", None)
+    if vllm_plugins is not None:
+        env["VLLM_PLUGINS"] = vllm_plugins
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_selected_plugin_reaches_vllm_endpoint_and_stat_logger_loading():
+    out = _load("art")
+    assert out["general"] == ["art"]
+    assert out["endpoint"] == {"art": "ArtEndpointPlugin"}
+    assert out["stat_logger"] == ["ArtStatLogger"]
+
+
+@pytest.mark.parametrize("vllm_plugins", [None, "lora_filesystem_resolver"])
+def test_unselected_plugin_adds_no_endpoint_and_no_stat_logger(vllm_plugins):
+    out = _load(vllm_plugins)
+    assert "art" not in out["endpoint"]
+    assert "ArtStatLogger" not in out["stat_logger"]
 
 
 def test_entry_points_resolve_to_the_types_vllm_requires():

@@ -5,10 +5,12 @@ from __future__ import annotations
 import re
 
 import httpx
+import psutil
 import pytest
 from support.vllm_server import LORA_ARGS
 
 from art_vllm_plugin import serve_process
+from art_vllm_plugin.engine_core.core_pinning import CpuLayoutConfig, plan
 from art_vllm_plugin.version import __version__
 
 
@@ -53,6 +55,46 @@ def test_plugin_is_active_in_api_server_engine_core_and_worker(art_server):
     assert roles == {"EngineCore", "VllmWorker"}, art_server.log_tail()
     assert all(pid == logged for _, pid, logged in found)
     assert len(found) == 2, "each process activates exactly once"
+
+
+def _cpus(proc: psutil.Process) -> set[int]:
+    return {c for t in proc.threads() for c in psutil.Process(t.id).cpu_affinity()}
+
+
+def test_cpu_layout_keeps_a_core_for_the_api_server_where_it_helps(art_server):
+    """Default `--art-cpu-layout auto`: EngineCore shares the worker's cores exactly when
+    `plan` says so for this host (on 2 cores: always), and capabilities report it."""
+    api = psutil.Process(art_server.proc.pid)
+    children = api.children(recursive=True)
+    engine = [p for p in children if "EngineCore" in p.name()]
+    workers = [p for p in children if "Worker" in p.name()]
+    assert len(engine) == 1 and workers, [p.name() for p in children]
+    allowed = set(api.cpu_affinity())
+    worker_cpus = set().union(*(_cpus(w) for w in workers))
+    expected = plan(allowed, worker_cpus, CpuLayoutConfig("auto"))
+    feature = httpx.get(art_server.url + "/art/v1/capabilities", timeout=30).json()["features"]
+    if expected is None:
+        assert _cpus(engine[0]) == allowed
+        assert feature["cpu_layout"]["enabled"] is False
+    else:
+        assert _cpus(engine[0]) == set(expected)
+        assert feature["cpu_layout"]["enabled"] is True
+        assert allowed - set(expected), "a core stays free for the API server"
+    if len(allowed) == 2:
+        assert expected is not None, "on a 2-core host the layout applies"
+
+
+def test_features_report_the_server_state(art_server):
+    body = httpx.get(art_server.url + "/art/v1/capabilities", timeout=30).json()
+    features = body["features"]
+    assert features["inflight_lora_update"]["enabled"] is True
+    assert features["prefix_cache_salting"]["enabled"] is True
+    assert features["guarded_routes"] == {
+        "enabled": False,
+        "description": features["guarded_routes"]["description"],
+        "reason": "no API key is configured (--api-key / VLLM_API_KEY)",
+    }
+    assert set(body["enabled_features"]) == {n for n, f in features.items() if f["enabled"]}
 
 
 def test_stock_routes_still_serve_the_lora_slot(art_server):

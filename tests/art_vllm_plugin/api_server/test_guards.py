@@ -74,6 +74,11 @@ def test_read_routes_answer_with_the_right_key(server, method, route):
     assert call(server, method, route, key=KEY).status_code == 200
 
 
+def test_capabilities_report_the_guard_as_on(server):
+    features = call(server, "GET", "/art/v1/capabilities", key=KEY).json()["features"]
+    assert features["guarded_routes"]["enabled"] is True
+
+
 def test_vllm_v1_routes_follow_the_same_rule(server):
     assert httpx.get(server.url + "/v1/models", timeout=60).status_code == 401
     assert call(server, "GET", "/v1/models", key=KEY).status_code == 200

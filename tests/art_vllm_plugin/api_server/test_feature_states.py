@@ -1,0 +1,54 @@
+"""`/art/v1/capabilities` reports each feature's real state: on a plugin-selected server
+without `--enable-lora`, the LoRA features are off and say why."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from art_vllm_plugin import serve_process
+
+LORA_FEATURES = ("inflight_lora_update", "exact_aliases", "prefix_cache_salting")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, server_log):
+    config = serve_process.ServeConfig(
+        model=str(tiny_model),
+        args=(
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "512",
+            "--gpu-memory-utilization",
+            "0.2",
+            "--enforce-eager",
+        ),
+        log_path=server_log,
+    )
+    with serve_process.serving(config) as srv:
+        yield srv
+
+
+def test_lora_features_are_off_without_enable_lora(server):
+    body = httpx.get(server.url + "/art/v1/capabilities", timeout=60).json()
+    for name in LORA_FEATURES:
+        feature = body["features"][name]
+        assert feature["enabled"] is False, (name, feature)
+        assert "--enable-lora" in feature["reason"]
+        assert name not in body["enabled_features"]
+    assert body["features"]["policy_spans"]["enabled"] is True
+    assert body["features"]["guarded_routes"]["enabled"] is False  # no API key configured
+    assert "no API key" in body["features"]["guarded_routes"]["reason"]
+
+
+def test_base_model_choices_still_carry_spans(server, tiny_model):
+    resp = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": str(tiny_model), "prompt": "the policy", "max_tokens": 6},
+        timeout=120,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["policy_spans"] == [
+        {"start": 0, "end": 6, "slot": None, "version": 0}
+    ]
