@@ -30,6 +30,15 @@ __device__ inline bool failed(const int32_t* status) {
   return status != nullptr && *reinterpret_cast<const volatile int32_t*>(status) != 0;
 }
 
+// `failed` for a whole block with one read (the status block is host memory, so one PCIe
+// read per block instead of one per thread). Every thread of the block must call it.
+__device__ inline bool block_failed(const int32_t* status) {
+  __shared__ int flag;
+  if (threadIdx.x == 0) flag = failed(status) ? 1 : 0;
+  __syncthreads();
+  return flag != 0;
+}
+
 // fp32 accumulation and one round-to-nearest-even store, as torch's `.to(dtype)` does.
 template <typename T> struct Cvt;
 template <> struct Cvt<__nv_bfloat16> {

@@ -20,7 +20,7 @@ __global__ void dispatch_kernel(
     const int32_t* sparse, void* const* peer_tokens, void* const* peer_probs, const char* hidden,
     const float* probs, int world, int rank, int tokens, int L, int64_t row_bytes, int is_static,
     const int32_t* status) {
-  if (failed(status)) return;
+  if (block_failed(status)) return;
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   const int64_t pairs = int64_t(tokens) * world;
@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(
     const int32_t* sparse, void* const* peer_tokens, void* const* peer_probs, T* out,
     float* out_probs, int world, int tokens, int L, int64_t H, int vec_ok,
     const int32_t* status) {
-  if (failed(status)) return;
+  if (block_failed(status)) return;
   constexpr int kVec = 16 / sizeof(T);
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
