@@ -55,7 +55,8 @@ class EngineSlotState:
     updates: int = 0
     failed_commits: int = 0
     staged: dict[str, StagedInEngine] = field(default_factory=dict)
-    stalls_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
+    stalls_ms: deque = field(default_factory=lambda: deque(maxlen=4096))  # stage + commit
+    commit_stalls_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
 def _art_state(core) -> EngineSlotState:
@@ -124,6 +125,7 @@ def art_commit_lora_update(self, token: str) -> dict:
     resalted = cache_salting.resalt_waiting(self, staged.lora_int_id, state.versions)
     commit_s = time.perf_counter() - t0
     state.stalls_ms.append((staged.stall_s + commit_s) * 1000.0)
+    state.commit_stalls_ms.append(commit_s * 1000.0)
     s = batch_stamps.stamps(self)
     return {
         "ok": True,
@@ -165,6 +167,7 @@ def art_slot_state(self) -> dict[str, Any]:
         "label": compat.engine_weight_label(self),
         "waiting": sum(1 for _ in compat.waiting_requests(compat.engine_scheduler(self))),
         "stalls_ms": list(state.stalls_ms),
+        "commit_stalls_ms": list(state.commit_stalls_ms),
         "mean_step_ms": s.mean_step_ms(),
     }
 

@@ -31,6 +31,7 @@ of each updated slot's adapter, also while it is out of vLLM's CPU cache.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,6 +176,25 @@ def _stage(worker, staged: StagedUpdate, request, stage_dir: str, rank: int) -> 
     staging.mark(stage_dir, rank, ok, message)
 
 
+def _stager(worker) -> queue.SimpleQueue:
+    """The worker's one staging thread, started once and fed through a queue.
+
+    Why not a thread per update: `Thread.start()` blocks the caller until the new thread
+    runs, and the new thread then holds the GIL for up to the switch interval (5 ms) while
+    it reads the adapter: the stage RPC, and so the engine's step loop, would wait for it. A
+    `put` on a queue returns at once."""
+    jobs = worker.__dict__.get("_art_stage_jobs")
+    if jobs is None:
+        jobs = worker.__dict__["_art_stage_jobs"] = queue.SimpleQueue()
+
+        def run():
+            while True:
+                _stage(*jobs.get())
+
+        threading.Thread(target=run, name="art-stager", daemon=True).start()
+    return jobs
+
+
 def art_stage_lora_update(
     self, token: str, lora_int_id: int, lora_name: str, stage_dir: str
 ) -> int:
@@ -184,12 +204,7 @@ def art_stage_lora_update(
     request = compat.lora_request(lora_name=lora_name, lora_int_id=lora_int_id, lora_path=stage_dir)
     staged = StagedUpdate(lora_int_id)
     slots.staged[token] = staged
-    threading.Thread(
-        target=_stage,
-        args=(self, staged, request, stage_dir, rank),
-        name=f"art-stage-{lora_name}",
-        daemon=True,
-    ).start()
+    _stager(self).put((self, staged, request, stage_dir, rank))
     return rank
 
 
