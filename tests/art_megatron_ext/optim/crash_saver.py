@@ -3,9 +3,9 @@
 Why a separate process that forks: importing torch takes seconds on the shared box, so one
 driver imports it once and then, for each kill, forks a saver child that continues the
 checkpoint from the last committed step, saving in a loop and reporting each committed step
-through a pipe (`--async-save`: saves on the background thread). The driver SIGKILLs the
-child at a random moment, loads the directory and prints one JSON line of facts per kill;
-the test asserts on them.
+through a pipe (`--async-save`: saves on the background thread). After the child's first
+commit the driver SIGKILLs it at a random moment, loads the directory and prints one JSON
+line of facts per kill; the test asserts on them.
 """
 
 from __future__ import annotations
@@ -74,8 +74,15 @@ def saver_child(directory: Path, write_fd: int, async_save: bool) -> None:
             block.fill_(-1.0)
 
 
-def last_reported(read_fd: int) -> int | None:
+def first_report(read_fd: int) -> bytes:
+    """Block until the child reported its first commit (8 bytes), or exited."""
     data = b""
+    while len(data) < 8 and (chunk := os.read(read_fd, 8 - len(data))):
+        data += chunk
+    return data
+
+
+def last_reported(read_fd: int, data: bytes = b"") -> int | None:
     while chunk := os.read(read_fd, 65536):
         data += chunk
     usable = len(data) - len(data) % 8
@@ -103,10 +110,14 @@ def main() -> None:
             finally:
                 os._exit(1)
         os.close(write_fd)
+        # The kill moment is counted from the child's first commit, not from the fork: every
+        # child makes progress however slow the host is, and the random delay still lands
+        # the kill anywhere in the following saves.
+        first = first_report(read_fd)
         time.sleep(rng.uniform(0.0, args.max_delay))
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
-        reported = last_reported(read_fd)
+        reported = last_reported(read_fd, first)
         os.close(read_fd)
         committed = ShardedCheckpointer(CheckpointConfig(args.dir)).committed()
         listed = {r.name for r in committed.files} if committed else set()

@@ -79,4 +79,5 @@ def test_kills_landed_inside_saves(kill_facts):
     ]
     assert len(mid_save) >= 5, kill_facts
     steps = [f["loaded_step"] for f in kill_facts if f["loaded_step"] is not None]
-    assert steps == sorted(steps) and steps[-1] >= 10  # progress across the kills
+    # each child committed at least once before its kill (the driver waits for that)
+    assert steps == sorted(steps) and steps[-1] >= KILLS
