@@ -18,10 +18,11 @@ Rules, in order:
    token (observed max age x new / current workers: an underfed trainer steps as fast as groups
    arrive) within `staleness_margin * policy_age_limit`. Underfed without headroom: hold
    (more workers would only queue at the server).
-3. Target batch: for R in {current rows - 1, current, + 1, x 1.5}, the packing estimate gives the
-   largest G whose probability of needing more than R rows is at most `spill_bound`; the
-   model (`model.py`) picks the R with the best predicted score. `max_batch_groups = target`
-   (taking more would spill into an extra row), `min_batch_groups = ceil(target / 2)`.
+3. Target batch: for R in {current rows - 1, current, + 1, x 1.5, x 2, x 3}, the packing
+   estimate gives the largest G whose probability of needing more than R rows is at most
+   `spill_bound`; the model (`model.py`) picks the R with the best predicted score.
+   `max_batch_groups = target` (taking more would spill into an extra row),
+   `min_batch_groups = ceil(target / 2)`.
 4. Queue capacity: what the trainer consumes in the steps a group may still wait before its
    oldest token reaches the policy-age limit: `target * max(1, limit - 1 - rollout steps)`.
 """
@@ -154,7 +155,14 @@ def _target(
     current_rows = max(1, round(window.rows_per_step))
     predictions = []
     candidates = sorted(
-        {max(1, current_rows - 1), current_rows, current_rows + 1, math.ceil(1.5 * current_rows)}
+        {
+            max(1, current_rows - 1),
+            current_rows,
+            current_rows + 1,
+            math.ceil(1.5 * current_rows),
+            2 * current_rows,
+            3 * current_rows,
+        }
     )
     for rows in candidates:
         fit = groups_fitting(
