@@ -5,7 +5,12 @@ checkpoint. This writes, from a seed and nothing else, a random-weight Llama sma
 serve on two CPU cores (hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32, bf16), a
 byte-level BPE tokenizer trained here on generated text with a chat template, and three
 different PEFT LoRA adapters (r=8 on every projection, non-zero B) so adapters really change
-the generated tokens. Running it twice gives byte-identical files.
+the generated tokens. Next to it, under `moe/`, a random-weight bf16 Qwen3-MoE with the same
+tokenizer (hidden 128, 3 layers of which layer 0 is dense via `mlp_only_layers`, 8 experts,
+top-2 with renormalized weights, expert FFN 64, dense FFN 256, head_dim 32, QK-norm): the MoE
+model both vLLM (CPU MoE backend) and the Megatron side (`art_megatron_ext.lora.hf_moe_weights`)
+build, so routes and logits can be compared across them. Running it twice gives
+byte-identical files.
 
 Usage: `python -m art_vllm_plugin.tiny_model --out .cache/tiny` (what `make tiny` runs).
 """
@@ -103,6 +108,11 @@ class TinyModelConfig:
     lora_alpha: int = 8
     corpus_lines: int = 4000
     adapters: tuple[str, ...] = field(default=ADAPTER_NAMES)
+    moe_num_hidden_layers: int = 3
+    moe_num_experts: int = 8
+    moe_top_k: int = 2
+    moe_intermediate_size: int = 64
+    moe_dense_layers: tuple[int, ...] = (0,)
 
 
 def _say(msg: str) -> None:
@@ -177,6 +187,54 @@ def write_model(cfg: TinyModelConfig, vocab_size: int, out: Path):
     return model
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def write_moe_model(cfg: TinyModelConfig, vocab_size: int, tokenizer_dir: Path, out: Path) -> None:
+    """Random-weight bf16 Qwen3-MoE from the seed, with the dense model's tokenizer files.
+
+    Layer `moe_dense_layers` use a dense SwiGLU MLP (`mlp_only_layers`), the others route each
+    token to `moe_top_k` of `moe_num_experts` experts (softmax, top-k, renormalized)."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out.mkdir(parents=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copyfile(tokenizer_dir / name, out / name)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    hf_cfg = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        num_hidden_layers=cfg.moe_num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        num_experts=cfg.moe_num_experts,
+        num_experts_per_tok=cfg.moe_top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=list(cfg.moe_dense_layers),
+        max_position_embeddings=cfg.max_position_embeddings,
+        initializer_range=cfg.initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=tok.token_to_id("<|bos|>"),
+        eos_token_id=tok.token_to_id("<|eos|>"),
+        pad_token_id=tok.token_to_id("<|pad|>"),
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(cfg.seed + 7)
+    model = Qwen3MoeForCausalLM(hf_cfg).eval()
+    with torch.no_grad():  # norms away from 1, so a swapped or dropped norm shows in parity
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn(param.shape))
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+
+
 def write_adapter(cfg: TinyModelConfig, model_dir: Path, index: int, out: Path) -> None:
     """One PEFT LoRA adapter with random A and B (init_lora_weights=False), seeded per name."""
     import torch
@@ -219,26 +277,33 @@ def generate(out_root: Path, cfg: TinyModelConfig | None = None) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model_dir = tmp / "model"
     model_dir.mkdir(parents=True)
-    _say(f"1/3 training a byte-level BPE tokenizer (vocab {cfg.vocab_size}, seed {cfg.seed})")
+    _say(f"1/4 training a byte-level BPE tokenizer (vocab {cfg.vocab_size}, seed {cfg.seed})")
     vocab = write_tokenizer(cfg, model_dir)
     _say(
-        f"2/3 writing a random bf16 Llama: hidden {cfg.hidden_size}, "
+        f"2/4 writing a random bf16 Llama: hidden {cfg.hidden_size}, "
         f"{cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
         f"{cfg.num_key_value_heads} KV heads, vocab {vocab}"
     )
     write_model(cfg, vocab, model_dir)
     for i, name in enumerate(cfg.adapters):
         _say(
-            f"3/3 writing PEFT adapter {name!r} ({i + 1}/{len(cfg.adapters)}): r={cfg.lora_rank}, "
+            f"3/4 writing PEFT adapter {name!r} ({i + 1}/{len(cfg.adapters)}): r={cfg.lora_rank}, "
             f"targets {','.join(LORA_TARGETS)}"
         )
         write_adapter(cfg, model_dir, i, tmp / "adapters" / name)
+    _say(
+        f"4/4 writing a random bf16 Qwen3-MoE: hidden {cfg.hidden_size}, "
+        f"{cfg.moe_num_hidden_layers} layers (dense: {list(cfg.moe_dense_layers)}), "
+        f"{cfg.moe_num_experts} experts, top-{cfg.moe_top_k}, expert FFN "
+        f"{cfg.moe_intermediate_size}"
+    )
+    write_moe_model(cfg, vocab, model_dir, tmp / "moe")
     (tmp / "tiny_config.json").write_text(json.dumps(asdict(cfg), indent=2, sort_keys=True) + "\n")
     shutil.rmtree(out_root, ignore_errors=True)
     tmp.rename(out_root)
     _say(
         f"done in {time.monotonic() - t0:.1f}s: {out_root}/model, {out_root}/adapters/"
-        f"{{{','.join(cfg.adapters)}}}"
+        f"{{{','.join(cfg.adapters)}}}, {out_root}/moe"
     )
     return out_root
 

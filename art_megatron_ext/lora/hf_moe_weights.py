@@ -1,0 +1,214 @@
+"""The Hugging Face Qwen3-MoE tiny model as a Megatron-core GPT: shape, model and weights.
+
+Why: routes served by vLLM can only be replayed on the training side if the trainer's model
+is the served one, router included. This builds a local-spec (no Transformer Engine) GPT with
+QK-norm, dense layers where the HF config says `mlp_only_layers` / `decoder_sparse_step`, and
+top-k MoE layers of `SequentialMLP` experts elsewhere, and copies the HF weights in:
+- attention as in the dense Llama mapping (`hf_weights`): Q/K/V fused per query group;
+  `q_norm` / `k_norm` -> `q_layernorm` / `k_layernorm` (per-head RMSNorm, same in both);
+- router `mlp.gate` -> `mlp.router`; expert e's gate/up -> `local_experts.e.linear_fc1`
+  (`[gate; up]`), down -> `linear_fc2`;
+- HF's router is softmax over all experts, top-k, then renormalized when `norm_topk_prob`:
+  that is Megatron's top-k on the logits followed by a softmax over the k (`pre_softmax`
+  off), so the same experts and weights; without `norm_topk_prob` it is `pre_softmax` on.
+Tensor and expert parallel size 1 only (what the cross-environment parity check runs).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from .hf_layout import fuse_b_shard
+from .hf_weights import _read_safetensors
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """The dimensions of a Qwen3-MoE causal LM (names follow Hugging Face's config)."""
+
+    hidden_size: int
+    intermediate_size: int  # dense layers' FFN width
+    moe_intermediate_size: int  # each expert's FFN width
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    dense_layers: tuple[int, ...]  # 0-based indices of layers with a dense MLP
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path) -> MoeShape:
+        """Read a Qwen3-MoE `config.json` (or the directory holding it)."""
+        path = Path(path)
+        cfg = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        if cfg.get("model_type") != "qwen3_moe":
+            raise ValueError(f"{path}: model_type {cfg.get('model_type')!r} is not qwen3_moe")
+        if cfg.get("tie_word_embeddings"):
+            raise ValueError(f"{path}: tied embeddings are not supported here")
+        layers = cfg["num_hidden_layers"]
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        step = cfg.get("decoder_sparse_step", 1)
+        only = set(cfg.get("mlp_only_layers") or [])
+        dense = tuple(i for i in range(layers) if i in only or not experts or (i + 1) % step)
+        heads = cfg["num_attention_heads"]
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            moe_intermediate_size=cfg["moe_intermediate_size"],
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"],
+            num_experts=experts,
+            top_k=cfg["num_experts_per_tok"],
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            dense_layers=dense,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta")
+            or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0),
+        )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if i not in self.dense_layers)
+
+
+def build_moe_gpt(
+    shape: MoeShape, *, params_dtype: torch.dtype = torch.float32, max_sequence_length: int = 256
+):
+    """A local-spec `GPTModel` with `shape`'s dense/MoE layer pattern on CPU (TP = EP = 1);
+    Megatron's parallel state must be set."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=shape.num_hidden_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.intermediate_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_key_value_heads,
+        kv_channels=shape.head_dim,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        num_moe_experts=shape.num_experts,
+        moe_layer_freq=[
+            0 if i in shape.dense_layers else 1 for i in range(shape.num_hidden_layers)
+        ],
+        moe_ffn_hidden_size=shape.moe_intermediate_size,
+        moe_router_topk=shape.top_k,
+        moe_router_pre_softmax=not shape.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type="alltoall",
+    )
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=shape.vocab_size,
+        max_sequence_length=max_sequence_length,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+        share_embeddings_and_output_weights=False,
+    )
+
+
+def megatron_moe_state_from_hf(
+    hf: dict[str, torch.Tensor], shape: MoeShape
+) -> dict[str, torch.Tensor]:
+    """Megatron GPT state-dict entries (TP = EP = 1) from HF Qwen3-MoE tensors."""
+    qkv = SimpleNamespace(
+        target="linear_qkv",
+        gated=False,
+        qkv_layout=(
+            shape.num_key_value_heads,
+            shape.num_attention_heads // shape.num_key_value_heads,
+            shape.head_dim,
+        ),
+    )
+    out = {
+        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+        "output_layer.weight": hf["lm_head.weight"],
+    }
+    for i in range(shape.num_hidden_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        q, k, v = (hf[h + f"self_attn.{p}_proj.weight"] for p in "qkv")
+        out[m + "self_attention.linear_qkv.weight"] = fuse_b_shard(qkv, [q, k, v], 0, 1)
+        out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"]
+        out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
+        out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
+        if i in shape.dense_layers:
+            gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
+            out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+            continue
+        out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
+        for e in range(shape.num_experts):
+            x, me = f"{h}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
+            gate, up = hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]
+            out[me + "linear_fc1.weight"] = torch.cat([gate, up])
+            out[me + "linear_fc2.weight"] = hf[x + "down_proj.weight"]
+    return out
+
+
+def load_hf_moe_weights(model: torch.nn.Module, model_dir: str | Path, shape: MoeShape) -> None:
+    """Copy the HF checkpoint's weights into `model`; every Megatron parameter must be set."""
+    from megatron.core import parallel_state
+
+    if (
+        parallel_state.get_tensor_model_parallel_world_size() != 1
+        or parallel_state.get_expert_model_parallel_world_size() != 1
+    ):
+        raise ValueError(f"{model_dir}: the MoE mapping supports TP = EP = 1 only")
+    state = megatron_moe_state_from_hf(_read_safetensors(Path(model_dir)), shape)
+    params = dict(model.named_parameters())
+    missing, unset = sorted(set(state) - set(params)), sorted(set(params) - set(state))
+    if missing or unset:
+        raise KeyError(
+            f"{model_dir}: HF -> Megatron mapping mismatch: no Megatron parameter for "
+            f"{missing[:3]}, no HF weight for {unset[:3]}"
+        )
+    with torch.no_grad():
+        for name, value in state.items():
+            target = params[name]
+            if target.shape != value.shape:
+                raise ValueError(
+                    f"{model_dir}: {name} is {tuple(value.shape)} from HF, "
+                    f"{tuple(target.shape)} in the Megatron model"
+                )
+            target.copy_(value.to(target.dtype))
