@@ -71,3 +71,28 @@ def test_three_distinct_adapters_with_nonzero_b(two_runs):
     key = next(k for k in tensors["a"] if "lora_B" in k)
     assert not (tensors["a"][key] == tensors["b"][key]).all()
     assert not (tensors["b"][key] == tensors["c"][key]).all()
+
+
+def test_moe_model_has_the_documented_shape(two_runs):
+    moe = two_runs[0] / "moe"
+    cfg = json.loads((moe / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]) == (128, 3, 32)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 2)
+    assert cfg["num_local_experts"] == 8 and cfg["num_experts_per_tok"] == 2
+    assert cfg["norm_topk_prob"] is True and cfg["mlp_only_layers"] == [0]
+    assert (cfg["moe_intermediate_size"], cfg["intermediate_size"]) == (64, 256)
+    assert cfg["dtype"] == "bfloat16"
+    from safetensors.torch import load_file as load_torch  # numpy has no bfloat16
+
+    weights = load_torch(moe / "model.safetensors")
+    assert "model.layers.0.mlp.gate_proj.weight" in weights  # the dense layer
+    assert not any(k.startswith("model.layers.0.mlp.experts.") for k in weights)
+    for layer in (1, 2):
+        assert weights[f"model.layers.{layer}.mlp.gate.weight"].shape == (8, 128)
+        experts = {k.split(".")[5] for k in weights if f"layers.{layer}.mlp.experts." in k}
+        assert experts == {str(e) for e in range(8)}
+    # norms are seeded away from 1, so a dropped or swapped norm changes the logits
+    assert all((v != 1).any() for k, v in weights.items() if k.endswith("norm.weight"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (moe / name).read_bytes() == (two_runs[0] / "model" / name).read_bytes()
