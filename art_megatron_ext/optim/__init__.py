@@ -26,6 +26,7 @@ from art_megatron_ext.optim.optimizer_state import (
     restore_optimizer_state,
 )
 from art_megatron_ext.optim.resident import (
+    CheckpointLayout,
     ObjectiveMismatchError,
     Residency,
     ResidentKey,
@@ -41,6 +42,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointFormatError",
     "CheckpointIO",
+    "CheckpointLayout",
     "CheckpointSaveError",
     "CheckpointWorldSizeError",
     "DistCheckpointer",

@@ -28,6 +28,7 @@ from torch import nn
 from art_megatron_ext.optim.async_save import AsyncCheckpointer
 from art_megatron_ext.optim.checkpoint import CheckpointConfig, LoadedShard, ShardedCheckpointer
 from art_megatron_ext.optim.collective import RankGroup
+from art_megatron_ext.optim.dist_checkpoint import DistCheckpointer, DistManifest
 from art_megatron_ext.optim.fileio import CheckpointIO
 from art_megatron_ext.optim.manifest import Manifest
 from art_megatron_ext.optim.optimizer_state import (
@@ -38,6 +39,7 @@ from art_megatron_ext.optim.optimizer_state import (
 from art_megatron_ext.optim.schedule import PeriodicSaver, SaveSchedule
 
 __all__ = [
+    "CheckpointLayout",
     "ObjectiveMismatchError",
     "Residency",
     "ResidentKey",
@@ -89,6 +91,18 @@ class ResidentKey:
         return ", ".join(changed)
 
 
+class CheckpointLayout(enum.Enum):
+    """Where the store checkpoints (docs/checkpoint-format.md).
+
+    PER_RANK: one file per rank (`ShardedCheckpointer`); any optimizer; async saves; loads only
+    at the saving layout. DIST: Megatron `dist_checkpointing` (`DistCheckpointer`); Megatron's
+    DistributedOptimizer only; synchronous; loads at any TP/DP layout.
+    """
+
+    PER_RANK = "per-rank"
+    DIST = "dist_checkpointing"
+
+
 class Residency(enum.Enum):
     """How a job's state was obtained."""
 
@@ -114,6 +128,7 @@ class ResidentState:
     failed: str | None = None
 
     _async: AsyncCheckpointer | None = field(default=None, repr=False)
+    dist_checkpointer: DistCheckpointer | None = field(default=None, repr=False)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self._params}
@@ -125,9 +140,18 @@ class ResidentState:
             "optimizer": capture_optimizer_state(self.optimizer, self._params),
         }
 
-    def save(self, step: int) -> Manifest:
+    def save(self, step: int) -> Manifest | DistManifest:
         """Commit this rank's trainable and optimizer state as checkpoint step `step`."""
         self.wait_for_saves()
+        if self.dist_checkpointer is not None:
+            dist_manifest = self.dist_checkpointer.save(
+                _megatron_module(self.model),
+                self.optimizer,
+                step=step,
+                objective=self.key.objective,
+            )
+            self.step = step
+            return dist_manifest
         manifest = self.checkpointer.save(
             self.state_dict(), step=step, objective=self.key.objective
         )
@@ -140,6 +164,11 @@ class ResidentState:
         Returns once the snapshot is taken (the loop may then step the optimizer). Waits for
         the previous background save first and raises its error if it failed.
         """
+        if self.dist_checkpointer is not None:
+            raise ValueError(
+                "async saves need CheckpointLayout.PER_RANK; the dist_checkpointing layout "
+                "saves synchronously (use saver(async_save=False)). Nothing was saved."
+            )
         if self._async is None:
             self._async = AsyncCheckpointer(self.checkpointer)
         self._async.save(self.state_dict(), step=step, objective=self.key.objective)
@@ -171,6 +200,11 @@ class ResidentState:
         self.failed = f"{type(exc).__name__}: {exc}"
 
 
+def _megatron_module(model: nn.Module) -> nn.Module:
+    """The Megatron module inside a DDP wrapper (its `sharded_state_dict` names the LoRA)."""
+    return getattr(model, "module", model)
+
+
 def _trainable(model: nn.Module) -> tuple[tuple[str, nn.Parameter], ...]:
     return tuple((n, p) for n, p in model.named_parameters() if p.requires_grad)
 
@@ -191,9 +225,22 @@ class ResidentOptimizerStore:
     """
 
     def __init__(
-        self, *, group: Any = None, io: CheckpointIO | None = None, weights_only: bool = True
+        self,
+        *,
+        group: Any = None,
+        io: CheckpointIO | None = None,
+        weights_only: bool = True,
+        layout: CheckpointLayout = CheckpointLayout.PER_RANK,
     ) -> None:
-        """`weights_only=False` admits optimizers whose state_dict holds arbitrary objects."""
+        """`weights_only=False` admits optimizers whose state_dict holds arbitrary objects.
+
+        `layout=CheckpointLayout.DIST` checkpoints with Megatron's `dist_checkpointing`
+        (model: a Megatron module or DDP around one; optimizer: DistributedOptimizer)."""
+        if not isinstance(layout, CheckpointLayout):
+            raise TypeError(f"layout must be a CheckpointLayout, got {layout!r}")
+        if layout is CheckpointLayout.DIST and group is not None:
+            raise ValueError("the dist_checkpointing layout runs on the default process group")
+        self._layout = layout
         self._group = group
         self._ranks = RankGroup(group)
         self._io = io
@@ -261,6 +308,8 @@ class ResidentOptimizerStore:
             group=self._group,
             io=self._io,
         )
+        if self._layout is CheckpointLayout.DIST:
+            return self._acquire_dist(key, model, build_optimizer, reset_trainable, checkpointer)
         loaded = checkpointer.load()
         restored, local_error = None, None
         try:
@@ -308,6 +357,55 @@ class ResidentOptimizerStore:
             step=step,
             checkpointer=checkpointer,
             _params=params,
+        )
+        logger.info("optimizer state %s for %s (%s)", residency.value, key, reason)
+        self._resident = state
+        return state
+
+    def _acquire_dist(
+        self,
+        key: ResidentKey,
+        model: nn.Module,
+        build_optimizer: BuildOptimizer,
+        reset_trainable: Callable[[nn.Module], None] | None,
+        checkpointer: ShardedCheckpointer,
+    ) -> ResidentState:
+        """`acquire` for the dist_checkpointing layout (reuse was already ruled out)."""
+        params = _trainable(model)
+        current = self._resident
+        reason = (
+            "nothing resident" if current is None else self._why_not_reused(current, key, model)
+        )
+        dist_ck = DistCheckpointer(key.optimizer_path, io=self._io)
+        manifest = dist_ck.committed()
+        if manifest is not None and manifest.objective != key.objective:
+            raise ObjectiveMismatchError(
+                f"checkpoint {key.optimizer_path} holds {manifest.objective!r} optimizer state "
+                f"but the job's objective is {key.objective!r}; refusing to mix their moments. "
+                "Use a separate optimizer_path per objective. Nothing was loaded; the previous "
+                "state stays."
+            )
+        self._resident = None
+        if manifest is None:
+            if reset_trainable is not None:
+                reset_trainable(model)
+            optimizer = build_optimizer([p for _, p in params])
+            residency, step = Residency.REBUILT, 0
+        else:
+            optimizer = build_optimizer([p for _, p in params])
+            loaded = dist_ck.load(_megatron_module(model), optimizer)
+            assert loaded is not None
+            residency, step = Residency.LOADED, loaded.step
+        state = ResidentState(
+            key=key,
+            model=model,
+            optimizer=optimizer,
+            residency=residency,
+            reason=reason,
+            step=step,
+            checkpointer=checkpointer,
+            _params=params,
+            dist_checkpointer=dist_ck,
         )
         logger.info("optimizer state %s for %s (%s)", residency.value, key, reason)
         self._resident = state

@@ -80,8 +80,60 @@ def _save_worker(rank: int, world_size: int, root: str) -> dict:
                 out[f"{case}_dirs"] = sorted(p.name for p in directory.iterdir())
                 train_step(ddp, optimizer, 3, rows)
                 out[case] = _adapter(ddp)
+                if case == "dp2":
+                    out.update(_resident_save(Path(root) / "resident", rank))
             finally:
                 parallel_state.destroy_model_parallel()
+    return out
+
+
+def _resident_save(directory: Path, rank: int) -> dict:
+    """The resident store on the dist_checkpointing layout, at DP=2."""
+    from art_megatron_ext.optim import CheckpointLayout, ResidentKey, ResidentOptimizerStore
+
+    ddp = build(tp=1, dtype=torch.float32)
+    store = ResidentOptimizerStore(layout=CheckpointLayout.DIST)
+    job = store.acquire(
+        ResidentKey("s", "rl", directory),
+        ddp,
+        optimizer_builder(ddp, "adam", bf16=False, lr=0.5, eps=1.0),
+    )
+    out = {"resident_first": job.residency.value}
+    rows = slice(rank, rank + 1)
+    for step in (1, 2):
+        train_step(ddp, job.optimizer, step, rows)
+    job.save(2)
+    try:
+        job.save_async(3)
+        out["resident_async"] = None
+    except ValueError as exc:
+        out["resident_async"] = str(exc)
+    train_step(ddp, job.optimizer, 3, rows)
+    out["resident"] = _adapter(ddp)
+    return out
+
+
+def _resident_load(directory: Path) -> dict:
+    from art_megatron_ext.optim import (
+        CheckpointLayout,
+        ObjectiveMismatchError,
+        ResidentKey,
+        ResidentOptimizerStore,
+    )
+
+    torch.manual_seed(321)
+    ddp = build(tp=1, dtype=torch.float32)
+    build_optimizer = optimizer_builder(ddp, "adam", bf16=False, lr=0.5, eps=1.0)
+    store = ResidentOptimizerStore(layout=CheckpointLayout.DIST)
+    out: dict = {}
+    try:
+        store.acquire(ResidentKey("s", "sft", directory), ddp, build_optimizer)
+    except ObjectiveMismatchError as exc:
+        out["resident_objective_refused"] = str(exc)
+    job = store.acquire(ResidentKey("s", "rl", directory), ddp, build_optimizer)
+    out["resident_loaded"] = (job.residency.value, job.step)
+    train_step(ddp, job.optimizer, 3, slice(None))
+    out["resident"] = _adapter(ddp)
     return out
 
 
@@ -105,6 +157,7 @@ def _load_worker(rank: int, world_size: int, root: str) -> dict:
                 out[f"{case}_loaded_step"] = loaded.step
                 train_step(ddp, optimizer, 3, slice(None))
                 out[case] = _adapter(ddp)
+            out.update(_resident_load(Path(root) / "resident"))
             # Flip one byte of a data file: the load is refused, naming the file.
             (data,) = sorted((Path(root) / "dp2").glob("gen-*.dist/__0_0.distcp"))
             raw = bytearray(data.read_bytes())
@@ -187,3 +240,15 @@ def test_a_plain_torch_optimizer_is_refused_with_a_message(tmp_path):
         )
     assert "AdamW" in str(info.value)
     assert not (tmp_path / "ck").exists()
+
+
+def test_resident_store_on_the_dist_layout_saves_at_dp2_and_loads_at_dp1(runs):
+    saved, _, _, loaded = runs
+    assert saved[0]["resident_first"] == "rebuilt"
+    assert "async saves need CheckpointLayout.PER_RANK" in saved[0]["resident_async"]
+    assert "holds 'rl' optimizer state" in loaded["resident_objective_refused"]
+    assert loaded["resident_loaded"] == ("loaded", 2)
+    reference = saved[0]["resident"]
+    assert loaded["resident"].keys() == reference.keys()
+    for name, value in reference.items():
+        np.testing.assert_allclose(loaded["resident"][name], value, atol=ATOL, rtol=0, err_msg=name)
