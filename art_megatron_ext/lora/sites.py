@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .adapter import LoraAdapter
-from .padding import logical_shape, zero_mask_of, zero_padding_
+from .padding import logical_shape, zero_mask_of, zero_optimizer_padding_, zero_padding_
 from .site import LoraSite
 
 
@@ -71,9 +71,10 @@ def zero_lora_padding_(model: torch.nn.Module, optimizer=None) -> int:
     """Zero the padded regions (and structural zeros of stacked fused slots) of every LoRA
     parameter, its `.grad` and `main_grad`.
 
-    With `optimizer`, the same regions of its per-parameter state tensors (Adam moments) are
-    zeroed too. Call it after backward (before the step) and after the step. Returns the
-    number of parameters visited.
+    With `optimizer`, the same regions of what it keeps for each parameter are zeroed too:
+    per-parameter state tensors (Adam moments) of a torch optimizer, and the flat main-param,
+    grad and moment shards of Megatron's `DistributedOptimizer`. Call it after backward (before
+    the step) and after the step. Returns the number of parameters visited.
     """
     count = 0
     for entry in iter_lora_sites(model):
@@ -84,8 +85,6 @@ def zero_lora_padding_(model: torch.nn.Module, optimizer=None) -> int:
                 if grad is not None and grad.shape == param.shape:
                     zero_padding_(grad, shape, mask)
             if optimizer is not None:
-                for value in optimizer.state.get(param, {}).values():
-                    if torch.is_tensor(value) and value.shape == param.shape:
-                        zero_padding_(value, shape, mask)
+                zero_optimizer_padding_(optimizer, param, mask)
             count += 1
     return count
