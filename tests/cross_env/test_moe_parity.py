@@ -5,9 +5,10 @@ Runs under `.venv-serve`. The training side runs as a subprocess in `.venv-train
 checkpoint (`.cache/tiny/moe`, `art_megatron_ext.lora.hf_moe_weights`, fp32, TP = EP = 1)
 dumps its logits and, per MoE layer, its router logits and selected experts for fixed
 prompts. Here:
-- a real `vllm serve` of the same checkpoint (`--dtype float32`, no LoRA: `--enable-lora`
-  with MoE needs the Triton MoE backend, absent on CPU) returns prompt logprobs (top 20 plus
-  the prompt token) that must equal Megatron's log-softmax within LOGPROB_ATOL;
+- a real `vllm serve --plugin art` of the same checkpoint (`--dtype float32`, eager, no LoRA:
+  `--enable-lora` with MoE needs the Triton MoE backend, absent on CPU) returns prompt
+  logprobs (top 20 plus the prompt token) that must equal Megatron's log-softmax within
+  LOGPROB_ATOL;
 - HF transformers' `Qwen3MoeForCausalLM` (fp32) on the same weights gives the router top-k
   that Megatron's router must select on every token whose k-th and (k+1)-th router logits
   are more than TIE_GAP apart. vLLM's own route capture needs Model Runner V2 + Triton,
@@ -108,7 +109,11 @@ def served(prompts, tmp_path_factory) -> list[list[dict[int, float] | None]]:
     model = str(moe_model_dir())
     config = serve_process.ServeConfig(
         model=model,
-        args=("--dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilization", "0.2"),
+        # eager: no torch.compile at start-up (minutes on a busy two-core host)
+        args=(
+            *("--dtype", "float32", "--enforce-eager", "--max-model-len", "512"),
+            *("--gpu-memory-utilization", "0.2"),
+        ),
         log_path=tmp_path_factory.mktemp("vllm-logs") / "moe_parity.log",
     )
     out = []
