@@ -26,7 +26,7 @@ case "${1:-}" in
   *) echo "usage: bash bench/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
-OUT=${OUT:-$REPO/gpu-check-out}
+OUT=${OUT:-${TMPDIR:-/tmp}/art-gpu-check}  # `run` sets OUT on the device machine
 mkdir -p "$OUT"
 TMPD=$(mktemp -d)
 CARRY=${ART_GPU_CARRY_DIR:-$REPO/.gpu-carry}
@@ -169,7 +169,10 @@ main() {
   echo "== stage preflight: compute capability 9.0, nvcc, torch, CUTLASS headers, carry dir"
   local p0 rc
   p0=$(date +%s)
-  timeout -k 5 "$(stage_timeout preflight)" "$PY" bench/gpu_check_preflight.py
+  local t_pre
+  t_pre=$(stage_timeout preflight)
+  ((DRY)) && t_pre=600  # a dry run checks the logic; a loaded CPU box must not time it out
+  timeout -k 5 "$t_pre" "$PY" bench/gpu_check_preflight.py
   rc=$?
   ((rc != 0)) && echo "gpu_check: PREFLIGHT FAILED ($rc required piece(s) missing); the stages run anyway and will say what broke"
   record preflight "$rc" $(($(date +%s) - p0)) "$( ((DRY && rc)) && echo 'expected on a machine without the GPU')"
@@ -193,7 +196,7 @@ main() {
     echo
     echo "== gpu-tests would run (collected here, not run): pytest -m gpu ${GPU_TEST_PATHS[*]}"
     local n
-    n=$(timeout 120 "$PY" -m pytest -m gpu -p no:cacheprovider --collect-only -q \
+    n=$(timeout 600 "$PY" -m pytest -m gpu -p no:cacheprovider --collect-only -q \
       "${GPU_TEST_PATHS[@]}" 2>&1 | tee "$TMPD/collect.log" | grep -c '::')
     grep '::' "$TMPD/collect.log" | sed 's/^/  /'
     echo "gpu-tests: $n test(s) selected by -m gpu"

@@ -65,6 +65,7 @@ def dry_run(tmp_path_factory):
         ["bash", str(SCRIPT), "--dry-run"], cwd=tmp, capture_output=True, text=True,
         env=_env(OUT=str(out), ART_GPU_CARRY_DIR=str(carry)), timeout=600,
     )  # fmt: skip
+    (tmp / "stdout.txt").write_text(proc.stdout)  # kept for diagnosis next to $OUT
     return proc, out, carry
 
 
