@@ -7,7 +7,9 @@ each library compiles once per session (grouped GEMM ~2.5 min, HybridEP a few se
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,11 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 
 @pytest.fixture(scope="session")
 def kernel_config(tmp_path_factory):
+    """A session cache; `ART_TEST_KERNEL_CACHE` names a persistent one for local reruns (the
+    CUTLASS build takes minutes on a loaded box, and the cache checks its own validity)."""
+    persistent = os.environ.get("ART_TEST_KERNEL_CACHE")
+    if persistent:
+        return kb.BuildConfig(cache_dir=Path(persistent))
     return kb.BuildConfig(cache_dir=tmp_path_factory.getbasetemp() / "kernel-cache")
 
 
@@ -140,3 +147,81 @@ def test_hybridep_abi_checks_run_without_a_gpu(hybridep_lib):
 def test_hybridep_library_is_refused_for_another_arch(hybridep_lib):
     with pytest.raises(kb.KernelArchMismatch, match="current GPU is sm_100a"):
         kb.load(hybridep_lib, current_arch="sm_100a")
+
+
+# -- where the CUTLASS headers come from, and what the cache records (issue 12, item 2) ------
+def _meta(built) -> dict:
+    import json
+
+    return json.loads((built.path.parent / "meta.json").read_text())
+
+
+def test_grouped_gemm_key_holds_the_cutlass_version_and_meta_the_headers_read(grouped_gemm_lib):
+    from art_megatron_ext.ops import cutlass_grouped_gemm as cg
+
+    cutlass = cg.find_cutlass()
+    assert cutlass.version.count(".") == 2 and cutlass.version != "unknown"
+    meta = _meta(grouped_gemm_lib)
+    assert meta["version_tags"] == [f"cutlass={cutlass.version}"]
+    by_dir = {}
+    for index, rel, _ in meta["headers"]:
+        by_dir.setdefault(index, set()).add(rel)
+    assert (
+        "cute/tensor.hpp" in by_dir[2] and "cutlass/gemm/group_array_problem_shape.hpp" in by_dir[2]
+    )
+    assert "cutlass/util/packed_stride.hpp" in by_dir[3]
+    assert len(by_dir[2]) > 100  # what nvcc actually read, not the whole 27 MB tree
+
+
+def test_carried_cutlass_tree_is_found_through_the_env_override_and_hits_the_cache(
+    grouped_gemm_lib, kernel_config, tmp_path, monkeypatch
+):
+    """What the GPU check does: the headers travel to another path without nvidia-cutlass."""
+    from art_megatron_ext.ops import cutlass_grouped_gemm as cg
+
+    installed = cg.find_cutlass().root
+    carried = tmp_path / "cutlass"
+    shutil.copytree(installed / "include", carried / "include")
+    shutil.copytree(installed / "tools" / "util" / "include", carried / "tools/util/include")
+    monkeypatch.setenv(cg.CUTLASS_DIR_ENV, str(carried))
+    found = cg.find_cutlass()
+    assert found.root == carried.resolve() and found.origin == "$ART_CUTLASS_DIR"
+    spec = cg.library_spec()
+    assert spec.include_dirs[2] == carried.resolve() / "include"
+    no_nvcc = kb.BuildConfig(cache_dir=kernel_config.cache_dir, nvcc="nvcc-does-not-exist")
+    hit = kb.find_cached(spec, no_nvcc)
+    assert hit is not None and hit.path == grouped_gemm_lib.path
+
+
+def test_incomplete_cutlass_override_is_refused_not_skipped(tmp_path, monkeypatch):
+    from art_megatron_ext.ops import cutlass_grouped_gemm as cg
+
+    (tmp_path / "include" / "cutlass").mkdir(parents=True)
+    monkeypatch.setenv(cg.CUTLASS_DIR_ENV, str(tmp_path))
+    with pytest.raises(cg.CutlassHeadersMissing, match=r"ART_CUTLASS_DIR.*missing.*version\.h"):
+        cg.library_spec()
+    assert "packed_stride.hpp" in cg.cutlass_unavailable_reason()
+
+
+def test_no_cutlass_anywhere_names_both_ways_to_get_it(monkeypatch):
+    import importlib.util
+
+    from art_megatron_ext.ops import cutlass_grouped_gemm as cg
+
+    monkeypatch.delenv(cg.CUTLASS_DIR_ENV, raising=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        cg.importlib.util, "find_spec", lambda n, *a: None if n == "cutlass_library" else real(n)
+    )
+    reason = cg.cutlass_unavailable_reason()
+    assert "ART_CUTLASS_DIR is unset" in reason and "nvidia-cutlass" in reason
+
+
+def test_cached_kernel_libraries_load_without_nvcc(hybridep_lib, kernel_config):
+    from hybridep import build_hybridep_abi as abi
+
+    no_nvcc = kb.BuildConfig(cache_dir=kernel_config.cache_dir, nvcc="nvcc-does-not-exist")
+    hit = kb.build(abi.library_spec(), no_nvcc)
+    assert hit.path == hybridep_lib.path
+    lib = abi._declare(_raw(hit))
+    assert lib.art_hybridep_abi_version() == abi.ABI_VERSION
