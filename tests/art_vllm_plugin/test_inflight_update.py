@@ -569,7 +569,7 @@ async def _ordinary_streams(server, streams: int, concurrency: int = 16) -> list
 
 def test_refused_alias_streams_leave_no_alias_behind(server, art, versions, tiny_adapters):
     """A streaming alias request refused before its generator starts must not leave its alias
-    for a later request to find: 300 ordinary streams after 50 refused ones end without a
+    for a later request to find: 300 ordinary streams after 200 refused ones end without a
     single (false) 409, also after the slot moved on."""
     v = _version(art)
 
@@ -588,7 +588,7 @@ def test_refused_alias_streams_leave_no_alias_behind(server, art, versions, tiny
                         },
                     )
                 ).status_code
-                for _ in range(50)
+                for _ in range(200)
             ]
 
     statuses = asyncio.run(refused_streams())
