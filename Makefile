@@ -16,12 +16,13 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help envs serve-env train-env tiny demo test test-serve test-train lint clean
+.PHONY: help envs serve-env train-env tiny demo test test-serve test-train lint clean gpu-carry
 help:
 	@echo "make demo   - serve the tiny model with --plugin art and show what the plugin does"
 	@echo "make test   - set up both environments and run every test"
 	@echo "make lint   - ruff"
 	@echo "make tiny   - (re)generate the deterministic tiny model and adapters in $(TINY)"
+	@echo "make gpu-carry - prepare .gpu-carry/ (CUTLASS headers, pre-built kernels) for bench/gpu_check.sh"
 
 # Heavy, slow part of each environment: rebuilt only when its set-up script changes.
 $(SERVE)/.base-ready: scripts/setup_serve_env.sh scripts/add_vllm_dist_info.py scripts/_steps.sh
@@ -62,6 +63,11 @@ test-serve: serve-env $(TINY)/.ready
 	$(SERVE)/bin/python -m pytest tests/art_vllm_plugin tests/cross_env -m "not train"
 test-train: train-env
 	$(TRAIN)/bin/python -m pytest tests/art_megatron_ext tests/hybridep tests/train_env
+
+# What bench/gpu_check.sh needs on the lent GPU machine beyond its image; see README "GPU check".
+# GPU_CARRY_PREBUILD=0 skips pre-building the kernels (then the check builds them there).
+gpu-carry: train-env
+	PYTHON=$(TRAIN)/bin/python bash scripts/gpu_carry.sh .gpu-carry
 
 PY_DIRS := art_vllm_plugin art_megatron_ext hybridep tests bench scripts
 lint: serve-env

@@ -115,13 +115,18 @@ def megatron_rng_module():
 # `token_dispatcher.py` (which imported them by name). We point those module attributes at
 # ours at run time instead of installing a package named `deep_ep` (that would shadow a real
 # DeepEP). Megatron's own autograd Functions `HybridEPDispatch/HybridEPCombine` are reused.
+# `reset_hybrid_ep_buffer` only sets the `_hybrid_ep_buffer` global to None; ours also closes
+# the dropped buffer (collective: frees its registered memory and IPC mappings).
 HYBRIDEP_FUSED_A2A_ATTRS = (
     "HybridEPBuffer",
     "HAVE_HYBRIDEP",
     "hybrid_ep_dispatch",
     "hybrid_ep_combine",
+    "reset_hybrid_ep_buffer",
 )
 HYBRIDEP_TOKEN_DISPATCHER_ATTRS = ("hybrid_ep_dispatch", "hybrid_ep_combine")
+HYBRIDEP_BUFFER_GLOBAL = "_hybrid_ep_buffer"
+"""`fused_a2a`'s module global holding the buffer Megatron built (None before the first use)."""
 
 
 def megatron_fused_a2a_module():
@@ -176,3 +181,138 @@ def fix_expert_bias_padding_mask() -> None:
 
     _apply_expert_bias._art_row_mask = True
     TopKRouter._apply_expert_bias = _apply_expert_bias
+
+
+# --- Distributed optimizer state (art_megatron_ext/optim/optimizer_state.py, lora/padding.py) -
+# `DistributedOptimizer.state_dict()` leaves out the parameter state (fp32 main params and
+# Adam moments: they are sharded over DP and saved by Megatron through separate calls). We
+# read and write one model parameter's shard of it with the optimizer's own per-parameter
+# helpers, and locate that shard with its range map. `ChainedOptimizer` keeps its parts in
+# `chained_optimizers`. Names as of megatron-core 0.19.2 (optimizer/distrib_optimizer.py).
+def is_distributed_optimizer(optimizer) -> bool:
+    """True for a megatron-core `DistributedOptimizer` (not a chain of them)."""
+    require_megatron()
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(optimizer, DistributedOptimizer)
+
+
+def chained_parts(optimizer) -> list:
+    """The parts of a `ChainedOptimizer`, or `[optimizer]` for anything else."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def distopt_model_params(optimizer) -> list:
+    """The model parameters a `DistributedOptimizer` owns a shard of (on this DP rank)."""
+    return list(optimizer.model_param_group_index_map)
+
+
+def distopt_owns(optimizer, model_param) -> bool:
+    """True when this DP rank holds a shard of `model_param` (identity, not tensor equality)."""
+    return model_param in optimizer.model_param_group_index_map
+
+
+def distopt_param_shard(optimizer, model_param) -> tuple[int, int]:
+    """(start, end) of this DP rank's shard within the flattened `model_param`."""
+    rng = optimizer._get_model_param_range_map(model_param)["param"]
+    return int(rng.start), int(rng.end)
+
+
+def distopt_get_param_state(optimizer, model_param) -> dict:
+    """{"param": fp32 main shard, "exp_avg": ..., ...} for `model_param` (live tensors)."""
+    return optimizer._get_main_param_and_optimizer_states(model_param)
+
+
+def distopt_set_param_state(optimizer, model_param, tensors: dict) -> None:
+    """Copy `tensors` (as returned by `distopt_get_param_state`) into the live shard state."""
+    optimizer._set_main_param_and_optimizer_states(model_param, tensors)
+
+
+# --- Transformer Engine linears (art_megatron_ext/lora/attach.py, site.py) -------------------
+# LoRA attaches to the TE linears Megatron's TE specs build. We never import
+# `transformer_engine` (absent on CPU machines, and importing a half-installed TE breaks
+# `import megatron.core`): a module is recognized by the name of a class in its MRO, the one
+# `megatron/core/extensions/transformer_engine.py` (0.19) defines, and read through the
+# attributes those wrappers and TE set. Names and attributes below are what 0.19 uses.
+TE_COLUMN = "TEColumnParallelLinear"
+TE_ROW = "TERowParallelLinear"
+TE_LAYERNORM_COLUMN = "TELayerNormColumnParallelLinear"
+TE_DUPLICATED = "TELinear"  # parallel_mode "duplicated" (MLA down projections): not a target
+TE_COLUMN_GROUPED = "TEColumnParallelGroupedLinear"
+TE_ROW_GROUPED = "TERowParallelGroupedLinear"
+_TE_LINEAR_CLASSES = (TE_LAYERNORM_COLUMN, TE_COLUMN, TE_ROW, TE_DUPLICATED)
+
+
+def te_linear_class(module) -> str | None:
+    """The Megatron TE wrapper class `module` is (or derives from), by name; None otherwise.
+
+    Checks the most specific name first (`TELMHeadColumnParallelLinear` is a
+    `TEColumnParallelLinear`, both are `TELinear`s)."""
+    names = {cls.__name__ for cls in type(module).__mro__}
+    return next((name for name in _TE_LINEAR_CLASSES if name in names), None)
+
+
+def te_tp_group(module):
+    """Megatron's tensor-parallel group of a TE wrapper (`_tp_group`; expert-TP for experts)."""
+    return getattr(module, "_tp_group", None)
+
+
+def te_layernorm_output(output) -> tuple:
+    """Split a `TELayerNormColumnParallelLinear` output taken with `return_layernorm_output`.
+
+    TE's `LayerNormLinear` then returns `(out, ln_out)` or, with `return_bias`,
+    `(out, bias, ln_out)`; Megatron's wrapper returns that tuple as is when `te_return_bias`,
+    else `(TE's output, None)`. Returns `(out, bias, ln_out)`."""
+    first, *rest = output
+    if isinstance(first, (tuple, list)):  # ((out, ln_out), None)
+        (out, ln_out), bias = first, rest[0]
+        return out, bias, ln_out
+    out, bias, ln_out = output
+    return out, bias, ln_out
+
+
+# --- dist_checkpointing writes (art_megatron_ext/optim/dist_checkpoint.py) -------------------
+# Megatron's torch_dist save strategy opens every data file (`__R_I.distcp`) with the name
+# `open` looked up in `dist_checkpointing/strategies/filesystem_async.py` (0.19.2,
+# `write_preloaded_data`: `open_file = open`). Binding a hashing `open` there for the length
+# of one save lets us digest each data file while it is written. We also read and write the
+# distributed optimizer's per-parameter state with `_set_main_param_and_optimizer_states`,
+# which in 0.19.2 requires a value for every live state key while
+# `load_parameter_state_from_fully_reshardable` leaves out torch Adam's "step" (KeyError);
+# `distopt_load_state_dict` supplies the live step (set from param_groups just before).
+def dist_ckpt_writer_module():
+    """`megatron.core.dist_checkpointing.strategies.filesystem_async` (private writer)."""
+    require_megatron()
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    return filesystem_async
+
+
+def distopt_load_state_dict(optimizer, state_dict) -> None:
+    """`optimizer.load_state_dict(state_dict)` for a (chain of) DistributedOptimizer whose
+    inner torch Adam keeps `step` per parameter (no TE/Apex)."""
+    parts = chained_parts(optimizer)
+    for part in parts:
+        original = part._set_main_param_and_optimizer_states
+
+        def set_with_step(model_param, tensors, part=part, original=original):
+            if "step" not in tensors:
+                live = part._get_main_param_and_optimizer_states(model_param)
+                if "step" in live:
+                    tensors = {**tensors, "step": live["step"]}
+            return original(model_param, tensors)
+
+        part._set_main_param_and_optimizer_states = set_with_step
+    try:
+        optimizer.load_state_dict(state_dict)
+    finally:
+        for part in parts:
+            del part._set_main_param_and_optimizer_states
+
+
+def distopt_init_state(optimizer) -> None:
+    """Allocate a fresh DistributedOptimizer's state (one zero-gradient step), as Megatron's
+    own loaders do before reading a checkpoint into it."""
+    for part in chained_parts(optimizer):
+        if len(part.optimizer.state) == 0:
+            part._init_optimizer_states_with_dummy_values()

@@ -11,7 +11,7 @@ import functools
 
 from hybridep import build as kbuild
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}
 SYMBOLS = (
     "art_hybridep_abi_version",
@@ -27,7 +27,12 @@ SYMBOLS = (
     "art_hybridep_ipc_open",
     "art_hybridep_ipc_close",
     "art_hybridep_memcpy_d2d",
+    "art_hybridep_vector_width",
 )
+STATUS_WORDS = 4
+"""int32 words of a buffer's status block (ART_HEP_STATUS_WORDS in hybridep.h)."""
+STATUS_BARRIER_TIMEOUT = 1
+"""Word 0 after a barrier timed out; word 1 holds the first missing rank, word 2 the epoch."""
 _P = ctypes.c_void_p
 _I32, _I64, _U32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint32
 
@@ -52,7 +57,8 @@ class PermuteParams(_Versioned):
     _fields_ = [
         ("abi_version", _U32), ("struct_size", _U32), ("device", _I32), ("dtype", _I32),
         ("num_recv_rows", _I64), ("num_permuted", _I64), ("hidden_dim", _I64),
-        ("num_local_experts", _I32), ("max_blocks", _I32), ("positions", _P),
+        ("num_local_experts", _I32), ("max_blocks", _I32), ("with_probs", _I32),
+        ("reserved", _I32), ("positions", _P),
         ("recv_hidden", _P), ("recv_probs", _P), ("tokens", _P), ("probs", _P),
         ("source", _P), ("stream", _P),
     ]  # fmt: skip
@@ -63,26 +69,29 @@ class IntraParams(_Versioned):
         ("abi_version", _U32), ("struct_size", _U32), ("device", _I32), ("dtype", _I32),
         ("world_size", _I32), ("rank", _I32), ("num_tokens", _I32),
         ("num_local_experts", _I32), ("hidden_dim", _I64), ("static_budget", _I32),
-        ("max_blocks", _I32), ("sparse_to_dense", _P), ("peer_tokens", _P), ("peer_probs", _P),
-        ("hidden", _P), ("probs", _P), ("stream", _P),
+        ("num_sms", _I32), ("with_probs", _I32), ("reserved", _I32), ("sparse_to_dense", _P),
+        ("peer_tokens", _P), ("peer_probs", _P), ("hidden", _P), ("probs", _P), ("status", _P),
+        ("stream", _P),
     ]  # fmt: skip
 
 
 class BarrierParams(_Versioned):
     _fields_ = [
         ("abi_version", _U32), ("struct_size", _U32), ("device", _I32), ("world_size", _I32),
-        ("counter", _P), ("epoch", _P), ("timeout_cycles", _I64), ("stream", _P),
+        ("rank", _I32), ("reserved", _I32), ("arrivals", _P), ("epoch", _P),
+        ("timeout_ns", _I64), ("status", _P), ("stream", _P),
     ]  # fmt: skip
 
 
 def library_spec() -> kbuild.KernelLibrarySpec:
-    src = kbuild.CSRC_DIR / "hybridep"
+    csrc = kbuild.find_csrc()
+    src = csrc / "hybridep"
     return kbuild.KernelLibrarySpec(
         name="art_hybridep",
         sources=tuple(src / f for f in ("preprocess.cu", "permute.cu", "intranode.cu")),
         symbols=SYMBOLS,
-        include_dirs=(kbuild.CSRC_DIR / "common", src),
-        headers=(kbuild.CSRC_DIR / "common" / "art_abi.h",),
+        include_dirs=(csrc / "common", src),
+        headers=(csrc / "common" / "art_abi.h",),
     )
 
 
@@ -100,6 +109,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.art_hybridep_ipc_open.argtypes = [_I32, ctypes.c_char_p, ctypes.POINTER(_P)]
     lib.art_hybridep_ipc_close.argtypes = [_I32, _P]
     lib.art_hybridep_memcpy_d2d.argtypes = [_I32, _P, _P, _I64, _P]
+    lib.art_hybridep_vector_width.argtypes = [_I32, _I64, _P, _P]
+    lib.art_hybridep_vector_width.restype = _I32
     return lib
 
 

@@ -159,10 +159,42 @@ class GroupedLoraSite(LoraSite):
         return grouped_linear(h, b, m_splits, backend)[:, : self.info.out_local]
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
-        raise NotImplementedError(
-            f"{self.info.path}: Megatron dist-checkpointing of grouped-expert LoRA tensors is "
-            "not implemented; save them through iter_lora_sites (per-rank state) instead"
-        )
+        """Dist-checkpoint entries: each slot's `[E_local, ...]` A and B as one tensor with a
+        global expert axis (this rank's experts start at `expert_index`), the TP-split factor
+        (column B rows, row A columns) also split over expert-TP. Replica ids follow
+        Megatron's grouped expert weights: (0, expert-TP rank for the replicated factor else 0,
+        expert-DP rank). Tensors are saved padded: a checkpoint reloads at any expert-parallel
+        size, at the same expert-TP size and padding."""
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        i = self.info
+        prepend = len(sharded_offsets)
+        column = i.kind == GROUPED_COLUMN
+        split, split_axis = ("b", 1) if column else ("a", 2)
+        ep_size, edp_rank = 1, 0
+        if parallel_state.model_parallel_is_initialized():
+            ep_size = parallel_state.get_expert_model_parallel_world_size()
+            edp_rank = parallel_state.get_expert_data_parallel_rank()
+        first_fragment = i.expert_index // i.num_local_experts
+        entries = {}
+        for name, adapter in self.slots.items():
+            for factor, tensor in (("a", adapter.a), ("b", adapter.b)):
+                offsets = [(prepend, first_fragment, ep_size)]
+                tp_replica = i.tp_rank
+                if factor == split:
+                    offsets.append((prepend + split_axis, i.tp_rank, i.tp_size))
+                    tp_replica = 0
+                key = f"{prefix}slots.{name}.{factor}"
+                entries[key] = ShardedTensor.from_rank_offsets(
+                    key,
+                    tensor,
+                    *sharded_offsets,
+                    *offsets,
+                    replica_id=(0, tp_replica, edp_rank),
+                    prepend_axis_num=prepend,
+                )
+        return entries
 
     def hook(self, module, args, kwargs, output):
         adapter = self.active_adapter()

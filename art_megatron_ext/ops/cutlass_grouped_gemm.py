@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,26 +70,89 @@ class GroupedGemmParams(ctypes.Structure):
     ]
 
 
-def library_spec() -> kbuild.KernelLibrarySpec:
-    """The build recipe: four translation units, CUTLASS headers from `nvidia-cutlass`."""
-    import cutlass_library
+CUTLASS_DIR_ENV = "ART_CUTLASS_DIR"
+"""Override of where the CUTLASS headers are: a directory holding `include/cutlass/` and
+`tools/util/include/cutlass/util/` (a CUTLASS checkout, or the tree `make gpu-carry` copies
+for a machine without `nvidia-cutlass`). When set it is used or refused, never skipped."""
 
-    cutlass_root = Path(cutlass_library.__file__).parent / "source"
-    src = kbuild.CSRC_DIR / "grouped_gemm"
-    version = getattr(cutlass_library, "__version__", "unknown")
+
+class CutlassHeadersMissing(RuntimeError):
+    """No usable CUTLASS header tree; the message names every place looked at."""
+
+
+@dataclass(frozen=True)
+class CutlassHeaders:
+    root: Path
+    version: str
+    """CUTLASS_MAJOR.MINOR.PATCH read from `include/cutlass/version.h` (part of the key)."""
+    origin: str
+    """Where the tree came from: `$ART_CUTLASS_DIR` or the `nvidia-cutlass` package."""
+
+    @property
+    def include_dirs(self) -> tuple[Path, Path]:
+        return (self.root / "include", self.root / "tools" / "util" / "include")
+
+
+def _read_cutlass_version(root: Path) -> str:
+    text = (root / "include" / "cutlass" / "version.h").read_text()
+    parts = [re.search(rf"#define CUTLASS_{p}\s+(\d+)", text) for p in ("MAJOR", "MINOR", "PATCH")]
+    if not all(parts):
+        raise CutlassHeadersMissing(f"{root}/include/cutlass/version.h has no CUTLASS version")
+    return ".".join(m.group(1) for m in parts if m)
+
+
+def _check_cutlass_root(root: Path, origin: str) -> CutlassHeaders:
+    needed = (
+        root / "include" / "cutlass" / "version.h",
+        root / "include" / "cute" / "tensor.hpp",
+        root / "tools" / "util" / "include" / "cutlass" / "util" / "packed_stride.hpp",
+    )
+    absent = [str(p) for p in needed if not p.is_file()]
+    if absent:
+        raise CutlassHeadersMissing(
+            f"CUTLASS headers from {origin} at {root} are incomplete: missing {absent}"
+        )
+    return CutlassHeaders(root=root, version=_read_cutlass_version(root), origin=origin)
+
+
+def find_cutlass() -> CutlassHeaders:
+    """`$ART_CUTLASS_DIR` if set (refused if incomplete), else the `nvidia-cutlass` package's
+    `cutlass_library/source`; found without importing anything."""
+    override = os.environ.get(CUTLASS_DIR_ENV)
+    if override:
+        return _check_cutlass_root(Path(override).expanduser().resolve(), f"${CUTLASS_DIR_ENV}")
+    found = importlib.util.find_spec("cutlass_library")
+    if found is None or found.origin is None:
+        raise CutlassHeadersMissing(
+            f"CUTLASS headers not found: ${CUTLASS_DIR_ENV} is unset and the nvidia-cutlass "
+            "package is not installed (pip install 'art-pipeline[megatron]', or point "
+            f"${CUTLASS_DIR_ENV} at a CUTLASS checkout)"
+        )
+    return _check_cutlass_root(Path(found.origin).parent / "source", "the nvidia-cutlass package")
+
+
+def cutlass_unavailable_reason() -> str | None:
+    """Why the CUTLASS library cannot be built here (None when the headers are there)."""
+    try:
+        find_cutlass()
+    except CutlassHeadersMissing as exc:
+        return str(exc)
+    return None
+
+
+def library_spec() -> kbuild.KernelLibrarySpec:
+    """The build recipe: four translation units, CUTLASS headers from `find_cutlass()`."""
+    cutlass = find_cutlass()
+    csrc = kbuild.find_csrc()
+    src = csrc / "grouped_gemm"
     return kbuild.KernelLibrarySpec(
         name="art_grouped_gemm",
         sources=tuple(src / f for f in ("gg_api.cu", "gg_fwd.cu", "gg_dgrad.cu", "gg_wgrad.cu")),
         symbols=SYMBOLS,
-        include_dirs=(
-            kbuild.CSRC_DIR / "common",
-            src,
-            cutlass_root / "include",
-            cutlass_root / "tools" / "util" / "include",
-        ),
-        headers=(kbuild.CSRC_DIR / "common" / "art_abi.h",),
-        # the CUTLASS version is part of the cache key through this define
-        extra_flags=(f'-DART_CUTLASS_PKG_VERSION="{version}"',),
+        include_dirs=(csrc / "common", src, *cutlass.include_dirs),
+        headers=(csrc / "common" / "art_abi.h",),
+        # the key holds the CUTLASS version; meta.json the digest of every header nvcc read
+        version_tags=(f"cutlass={cutlass.version}",),
     )
 
 

@@ -71,6 +71,7 @@ def run_ranks(
     *,
     timeout_s: float = 180.0,
     num_threads: int = 1,
+    daemon: bool = True,
 ) -> list[Any]:
     """Spawn `world_size` processes, run `fn(rank, world_size, *args)` in each, return results.
 
@@ -80,6 +81,9 @@ def run_ranks(
         args: extra positional arguments passed to every rank (picklable).
         timeout_s: wall-clock limit for the whole group.
         num_threads: torch intra-op threads per rank (1 keeps a small box responsive).
+        daemon: spawn daemonic ranks (killed with the parent). False for workers that start
+            processes themselves (Megatron's dist_checkpointing save starts a
+            `multiprocessing.Manager`); they are still joined or killed on return or timeout.
 
     Returns:
         The per-rank return values, indexed by rank.
@@ -94,7 +98,7 @@ def run_ranks(
             ctx.Process(
                 target=_child,
                 args=(rank, world_size, init_file, fn, tuple(args), results, num_threads),
-                daemon=True,
+                daemon=daemon,
             )
             for rank in range(world_size)
         ]

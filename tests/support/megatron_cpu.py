@@ -33,7 +33,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["build_moe_layer", "cpu_shim", "megatron_parallel", "moe_test_config"]
+__all__ = [
+    "build_moe_layer",
+    "cpu_shim",
+    "cuda_tensor_type_names",
+    "megatron_parallel",
+    "moe_test_config",
+]
 
 _FACTORIES = (
     "empty",
@@ -227,6 +233,40 @@ def cpu_shim() -> Iterator[None]:
     finally:
         for obj, name, old in reversed(saved):
             setattr(obj, name, old)
+
+
+def _cuda_type_name(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = fn(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or name.startswith("torch.cuda."):
+            return name  # a conversion (`t.type(dtype)`), or already a CUDA tensor
+        return "torch.cuda." + name.removeprefix("torch.")
+
+    return type_
+
+
+@contextlib.contextmanager
+def cuda_tensor_type_names() -> Iterator[None]:
+    """`Tensor.type()` (no arguments) answers `torch.cuda.FloatTensor` for a CPU float tensor.
+
+    Why: Megatron's `DistributedOptimizer` sorts parameters by that string and refuses any
+    other (megatron-core 0.19.2 `optimizer/distrib_optimizer.py`, lines 401 and 466, raising
+    at 477: "Wrapped parameters must be one of torch.cuda.FloatTensor, ..."). That check is
+    the only thing that stops it on CPU: with `cpu_shim()` for the rest (streams, `cuda`
+    devices), DDP grad buffers, gloo reduce-scatter/all-gather and the optimizer step run.
+    `t.type(dtype)` conversions are untouched. Test-only, like `cpu_shim`.
+    """
+    own = "type" in torch.Tensor.__dict__  # else inherited from the C base class
+    original = torch.Tensor.type
+    torch.Tensor.type = _cuda_type_name(original)
+    try:
+        yield
+    finally:
+        if own:
+            torch.Tensor.type = original
+        else:
+            del torch.Tensor.type
 
 
 @contextlib.contextmanager
