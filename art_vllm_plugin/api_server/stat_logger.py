@@ -1,8 +1,9 @@
-"""The `vllm.stat_logger_plugins` entry point: the feed behind the plugin's metrics.
+"""The stat logger behind the plugin's metrics feed (handed to vLLM when `art` is selected).
 
-vLLM calls `record()` once per engine step in the API server. When `VLLM_PLUGINS` is unset it
-instantiates every installed stat-logger plugin, so an unselected plugin must cost nothing:
-`record` is then the inherited no-op-sized early return.
+vLLM calls `record()` once per engine step in the API server. It is not an entry point: the
+general plugin hands it to vLLM's stat-logger loading only when `art` is selected (an installed
+stat-logger entry point would make vLLM force `log_stats` on for every server). `record` still
+returns early when unselected, for direct use.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ class ArtStatLogger(StatLoggerBase):
     def __init__(self, vllm_config, engine_index: int = 0):
         self.engine_index = engine_index
         self.active = is_selected()
+        if self.active:  # the limits /art/metrics reports (public SchedulerConfig fields)
+            scheduler = vllm_config.scheduler_config
+            FEED.set_limits(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         if not self.active:
