@@ -220,7 +220,6 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=100)
     parser.add_argument("--every", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
     parser.add_argument("--stall-updates", type=int, default=50)
     args = parser.parse_args()
     run = asyncio.run
