@@ -1,9 +1,10 @@
 """Slots and the update coordinator of the API server.
 
 A slot is a LoRA name given at start (`--lora-modules NAME=PATH`), at policy version 0. An
-update validates the adapter here (in a thread, off the event loop), then makes exactly one
-EngineCore utility call that writes the weights on every worker and bumps the version between
-the same two engine steps (`art_vllm_plugin.engine_core.slot_updates`).
+update reads and validates the adapter here once (in a thread, off the event loop), then
+publishes those bytes: every worker stages them off the step loop, and one EngineCore utility
+call swaps them in on every worker and bumps the version between the same two engine steps
+(`art_vllm_plugin.api_server.slot_publish`, `art_vllm_plugin.engine_core.slot_updates`).
 
 Updates are serialized by one lock. Each runs as its own task and the HTTP handler awaits it
 through `asyncio.shield`: a client that disconnects or cancels does not cancel an update that
@@ -17,14 +18,16 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from art_vllm_plugin import compat
+from art_vllm_plugin import compat, staging
 from art_vllm_plugin.adapters import (
     AdapterError,
     AdapterSignature,
+    read_and_validate,
     read_signature,
-    validate_adapter,
 )
+from art_vllm_plugin.api_server import slot_publish
 from art_vllm_plugin.api_server.paths import PathPolicy, PathRefused
 
 logger = logging.getLogger("vllm.art_plugin.slots")
@@ -85,9 +88,22 @@ class SlotRegistry:
         self.max_lora_rank = max_lora_rank
         self.slots: dict[str, Slot] = {}
         self.failed_unattributed = 0  # refused before a slot was known (bad body, unknown slot)
+        #: LoRA modules that cannot be updated in flight: name -> why (e.g. a hub id).
+        self.refused: dict[str, str] = {}
         self._lock = asyncio.Lock()
+        self.staging = staging.StagingConfig.default()
         now = time.time()
         for name, req in (serving_models.lora_requests if serving_models else {}).items():
+            if not Path(req.lora_path).is_dir():
+                # vLLM resolves a hub id itself (in the worker); updates need the slot's
+                # reference adapter on local disk, so such a module serves but is not a slot.
+                self.refused[name] = (
+                    f"LoRA module {name!r} was started from {req.lora_path!r}, which is not a "
+                    "local adapter directory (a hub id?); in-flight updates need one: start "
+                    f"it with --lora-modules {name}=/path/to/adapter_dir"
+                )
+                logger.warning("art: %s; it is served but refused for updates", self.refused[name])
+                continue
             self.slots[name] = Slot(
                 name=name,
                 lora_int_id=req.lora_int_id,
@@ -123,6 +139,8 @@ class SlotRegistry:
     async def _update(self, name: str, path: str, version: int) -> dict:
         t0 = time.perf_counter()
         slot = self.slots.get(name)
+        if name in self.refused:
+            raise UpdateError(400, f"{self.refused[name]}; nothing changed")
         if slot is None:
             raise UpdateError(404, f"unknown slot {name!r}; slots: {sorted(self.slots)}")
         try:
@@ -139,8 +157,8 @@ class SlotRegistry:
                     f"the current version {slot.version}; nothing changed",
                 )
             try:
-                await asyncio.to_thread(
-                    validate_adapter, resolved, name, slot.reference, self.max_lora_rank
+                files = await asyncio.to_thread(
+                    read_and_validate, resolved, name, slot.reference, self.max_lora_rank
                 )
             except AdapterError as exc:
                 raise UpdateError(
@@ -148,20 +166,17 @@ class SlotRegistry:
                 ) from exc
             t_validated = time.perf_counter()
             try:
-                result = await compat.call_engine_utility(
+                result = await slot_publish.publish(
                     self.engine_client,
-                    "art_update_lora_slot",
-                    slot.lora_int_id,
-                    name,
-                    resolved,
-                    version,
+                    lora_int_id=slot.lora_int_id,
+                    slot=name,
+                    files=files,
+                    version=version,
+                    current_version=slot.version,
+                    config=self.staging,
                 )
-            except Exception as exc:
-                raise UpdateError(
-                    422,
-                    f"engine refused the adapter at {resolved}: {exc}; slot "
-                    f"{name!r} keeps serving version {slot.version}",
-                ) from exc
+            except slot_publish.PublishError as exc:
+                raise UpdateError(exc.status, exc.message) from exc
             slot.version = version
             slot.path = resolved
             slot.updated_at = time.time()
@@ -170,26 +185,28 @@ class SlotRegistry:
             self._point_new_requests_at(name, resolved)
             slot_version_gauge().labels(slot=name).set(version)
             logger.info(
-                "art update slot=%s version=%d step=%d wait+validate=%.1fms engine_call=%.1fms "
-                "in_engine=%.1fms",
+                "art update slot=%s version=%d step=%d wait+validate=%.1fms stage=%.1fms "
+                "publish=%.1fms engine_stall=%.2fms",
                 name,
                 version,
-                result["step"],
+                result.step,
                 (t_validated - t0) * 1000,
+                result.stage_ms,
                 (time.perf_counter() - t_validated) * 1000,
-                result["engine_ms"],
+                result.stall_ms,
             )
             return {
                 "slot": name,
                 "version": version,
-                "step": result["step"],
+                "step": result.step,
                 "elapsed_ms": slot.last_update_ms,
-                "engine_ms": result["engine_ms"],
-                "resalted_waiting": result["resalted_waiting"],
+                "engine_ms": result.engine_ms,
+                "stall_ms": result.stall_ms,
+                "resalted_waiting": result.resalted_waiting,
             }
 
     def _point_new_requests_at(self, name: str, path: str) -> None:
-        """New requests carry the new path: if the adapter is ever evicted from the worker's
-        cache and reloaded, it is reloaded from the new files, never the old ones."""
+        """New requests carry the new path (what `/v1/models` shows). The weights never come
+        from a request's path after an update: workers serve the committed copy they hold."""
         requests = self.serving_models.lora_requests
         requests[name] = compat.replace_lora_path(requests[name], path)

@@ -39,7 +39,7 @@ class ArtApiState:
         paths = PathPolicy.create(
             roots=getattr(args, "art_adapter_roots", None) or [],
             maps=getattr(args, "art_path_maps", None) or [],
-            default_roots=[str(Path(p).resolve().parent) for p in start_paths],
+            default_roots=[str(Path(p).resolve().parent) for p in start_paths if Path(p).is_dir()],
         )
         registry = SlotRegistry(
             engine_client,
