@@ -151,20 +151,27 @@ class CudaBackend:
     name = "cuda"
 
     @classmethod
-    def unavailable_reason(cls, group: Any) -> str | None:
+    def unavailable_reason(
+        cls, group: Any, build_config: kbuild.BuildConfig | None = None
+    ) -> str | None:
         if not torch.cuda.is_available():
             return "no CUDA device is visible (torch.cuda.is_available() is False)"
         arch = kbuild.device_arch()
         if arch != kbuild.SM90A:
             return f"the GPU is {arch}; the HybridEP kernels are built for {kbuild.SM90A} only"
-        if shutil.which("nvcc") is None:
-            return "nvcc is not on PATH, so the kernels cannot be built on first use"
+        # A valid cached library loads without nvcc (e.g. carried to a machine without it).
+        cached = kbuild.find_cached(abi.library_spec(), build_config)
+        if shutil.which("nvcc") is None and cached is None:
+            return (
+                "nvcc is not on PATH and the kernel cache holds no valid HybridEP library, so "
+                "the kernels cannot be built on first use"
+            )
         return None
 
     def __init__(
         self, group: Any, spec: BufferSpec, build_config: kbuild.BuildConfig | None = None
     ) -> None:
-        reason = self.unavailable_reason(group)
+        reason = self.unavailable_reason(group, build_config)
         if reason is not None:
             raise BackendUnavailable(f"hybridep backend 'cuda' cannot run: {reason}")
         self.group, self.spec = group, spec

@@ -119,6 +119,25 @@ def hybridep_lib(kernel_config):
     return kb.build(abi.library_spec(), kernel_config)
 
 
+def test_cuda_backend_accepts_a_cached_library_without_nvcc(
+    hybridep_lib, kernel_config, tmp_path, monkeypatch
+):
+    """The CUDA backend's availability check: with nvcc absent a valid cached HybridEP library
+    is enough (it loads without nvcc); an empty cache is refused naming nvcc and the cache.
+    The GPU itself is absent here, so only its presence and arch are stood in for."""
+    import torch
+
+    from hybridep.backends import cuda as cuda_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kb, "device_arch", lambda: kb.SM90A)
+    monkeypatch.setattr(cuda_backend.shutil, "which", lambda name: None)
+    assert cuda_backend.CudaBackend.unavailable_reason(None, kernel_config) is None
+    empty = kb.BuildConfig(cache_dir=tmp_path / "empty-cache")
+    reason = cuda_backend.CudaBackend.unavailable_reason(None, empty)
+    assert reason is not None and "nvcc is not on PATH" in reason and "cache" in reason
+
+
 def test_hybridep_library_exports_its_c_abi(hybridep_lib):
     from hybridep import build_hybridep_abi as abi
 
@@ -140,7 +159,7 @@ def test_hybridep_abi_checks_run_without_a_gpu(hybridep_lib):
         num_recv_rows=4, num_permuted=4, hidden_dim=8, num_local_experts=2
     )
     assert lib.art_hybridep_permute(ctypes.byref(no_pointers)) == 10002
-    barrier = abi.BarrierParams.make(world_size=2, timeout_cycles=0)
+    barrier = abi.BarrierParams.make(world_size=2, timeout_ns=0)
     assert lib.art_hybridep_barrier(ctypes.byref(barrier)) == 10002
 
 
