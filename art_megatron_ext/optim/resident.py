@@ -308,8 +308,41 @@ class ResidentOptimizerStore:
             group=self._group,
             io=self._io,
         )
+        dist_ck = None
         if self._layout is CheckpointLayout.DIST:
-            return self._acquire_dist(key, model, build_optimizer, reset_trainable, checkpointer)
+            dist_ck = DistCheckpointer(key.optimizer_path, io=self._io)
+            optimizer, residency, step = self._restore_dist(
+                key, model, params, build_optimizer, reset_trainable, dist_ck
+            )
+        else:
+            optimizer, residency, step = self._restore_per_rank(
+                key, model, params, build_optimizer, reset_trainable, checkpointer
+            )
+        state = ResidentState(
+            key=key,
+            model=model,
+            optimizer=optimizer,
+            residency=residency,
+            reason=reason,
+            step=step,
+            checkpointer=checkpointer,
+            _params=params,
+            dist_checkpointer=dist_ck,
+        )
+        logger.info("optimizer state %s for %s (%s)", residency.value, key, reason)
+        self._resident = state
+        return state
+
+    def _restore_per_rank(
+        self,
+        key: ResidentKey,
+        model: nn.Module,
+        params: tuple[tuple[str, nn.Parameter], ...],
+        build_optimizer: BuildOptimizer,
+        reset_trainable: Callable[[nn.Module], None] | None,
+        checkpointer: ShardedCheckpointer,
+    ) -> tuple[Any, Residency, int]:
+        """(optimizer, residency, step) from the per-rank layout, or rebuilt without one."""
         loaded = checkpointer.load()
         restored, local_error = None, None
         try:
@@ -329,87 +362,46 @@ class ResidentOptimizerStore:
             )
         # Everything that can be checked was checked: drop the previous state before building
         # the new optimizer, so two optimizers' moments never coexist in device memory.
-        self._resident = current = None
+        self._resident = None
         if restored is None:
             if reset_trainable is not None:
                 reset_trainable(model)
-            optimizer = build_optimizer([p for _, p in params])
-            residency, step = Residency.REBUILT, 0
-        else:
-            trainable, optim_state = restored
-            optimizer = build_optimizer([p for _, p in params])
-            assert loaded is not None
-            # Optimizer first: a layout mismatch raises before the model is touched. (For fp32
-            # parameters a distributed optimizer's main shard is a view of the parameter; the
-            # copy below writes the same values again.)
-            restore_optimizer_state(optimizer, optim_state, params, source=str(loaded.path))
-            if trainable is not None:
-                with torch.no_grad():
-                    for name, p in params:
-                        p.copy_(trainable[name])
-            residency, step = Residency.LOADED, loaded.step or 0
-        state = ResidentState(
-            key=key,
-            model=model,
-            optimizer=optimizer,
-            residency=residency,
-            reason=reason,
-            step=step,
-            checkpointer=checkpointer,
-            _params=params,
-        )
-        logger.info("optimizer state %s for %s (%s)", residency.value, key, reason)
-        self._resident = state
-        return state
+            return build_optimizer([p for _, p in params]), Residency.REBUILT, 0
+        trainable, optim_state = restored
+        optimizer = build_optimizer([p for _, p in params])
+        assert loaded is not None
+        # Optimizer first: a layout mismatch raises before the model is touched. (For fp32
+        # parameters a distributed optimizer's main shard is a view of the parameter; the
+        # copy below writes the same values again.)
+        restore_optimizer_state(optimizer, optim_state, params, source=str(loaded.path))
+        if trainable is not None:
+            with torch.no_grad():
+                for name, p in params:
+                    p.copy_(trainable[name])
+        return optimizer, Residency.LOADED, loaded.step or 0
 
-    def _acquire_dist(
+    def _restore_dist(
         self,
         key: ResidentKey,
         model: nn.Module,
+        params: tuple[tuple[str, nn.Parameter], ...],
         build_optimizer: BuildOptimizer,
         reset_trainable: Callable[[nn.Module], None] | None,
-        checkpointer: ShardedCheckpointer,
-    ) -> ResidentState:
-        """`acquire` for the dist_checkpointing layout (reuse was already ruled out)."""
-        params = _trainable(model)
-        current = self._resident
-        reason = (
-            "nothing resident" if current is None else self._why_not_reused(current, key, model)
-        )
-        dist_ck = DistCheckpointer(key.optimizer_path, io=self._io)
+        dist_ck: DistCheckpointer,
+    ) -> tuple[Any, Residency, int]:
+        """(optimizer, residency, step) from the dist_checkpointing layout, or rebuilt."""
         manifest = dist_ck.committed()
         if manifest is not None and manifest.objective != key.objective:
-            raise ObjectiveMismatchError(
-                f"checkpoint {key.optimizer_path} holds {manifest.objective!r} optimizer state "
-                f"but the job's objective is {key.objective!r}; refusing to mix their moments. "
-                "Use a separate optimizer_path per objective. Nothing was loaded; the previous "
-                "state stays."
-            )
+            raise _objective_mismatch(key.optimizer_path, manifest.objective, key.objective)
         self._resident = None
         if manifest is None:
             if reset_trainable is not None:
                 reset_trainable(model)
-            optimizer = build_optimizer([p for _, p in params])
-            residency, step = Residency.REBUILT, 0
-        else:
-            optimizer = build_optimizer([p for _, p in params])
-            loaded = dist_ck.load(_megatron_module(model), optimizer)
-            assert loaded is not None
-            residency, step = Residency.LOADED, loaded.step
-        state = ResidentState(
-            key=key,
-            model=model,
-            optimizer=optimizer,
-            residency=residency,
-            reason=reason,
-            step=step,
-            checkpointer=checkpointer,
-            _params=params,
-            dist_checkpointer=dist_ck,
-        )
-        logger.info("optimizer state %s for %s (%s)", residency.value, key, reason)
-        self._resident = state
-        return state
+            return build_optimizer([p for _, p in params]), Residency.REBUILT, 0
+        optimizer = build_optimizer([p for _, p in params])
+        loaded = dist_ck.load(_megatron_module(model), optimizer)
+        assert loaded is not None
+        return optimizer, Residency.LOADED, loaded.step
 
     @staticmethod
     def _why_not_reused(current: ResidentState | None, key: ResidentKey, model: nn.Module) -> str:
@@ -424,17 +416,20 @@ class ResidentOptimizerStore:
         return "the model's trainable parameters changed"
 
 
+def _objective_mismatch(path: Any, found: str | None, expected: str) -> ObjectiveMismatchError:
+    return ObjectiveMismatchError(
+        f"checkpoint {path} holds {found!r} optimizer state but the job's objective is "
+        f"{expected!r}; refusing to mix their moments. Use a separate optimizer_path per "
+        "objective. Nothing was loaded; the previous state stays."
+    )
+
+
 def _validated_payload(
     key: ResidentKey, params: tuple[tuple[str, nn.Parameter], ...], loaded: LoadedShard
 ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
     """(trainable tensors or None for legacy, optimizer state_dict), checked against the job."""
     if loaded.objective is not None and loaded.objective != key.objective:
-        raise ObjectiveMismatchError(
-            f"checkpoint {loaded.path} holds {loaded.objective!r} optimizer state but the "
-            f"job's objective is {key.objective!r}; refusing to mix their moments. Use a "
-            "separate optimizer_path per objective. Nothing was loaded; the previous state "
-            "stays."
-        )
+        raise _objective_mismatch(loaded.path, loaded.objective, key.objective)
     payload = loaded.state
     if isinstance(payload, dict) and "optimizer" in payload:
         trainable, optim_state = payload.get("trainable"), payload["optimizer"]
