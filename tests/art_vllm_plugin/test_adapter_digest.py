@@ -1,4 +1,4 @@
-"""The adapter digest is the documented XXH3-128 over both files, and malformed digests are refused."""
+"""The adapter digest is XXH3-128 over both files as documented; malformed digests are refused."""
 
 import pytest
 import xxhash
