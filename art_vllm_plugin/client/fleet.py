@@ -1,0 +1,391 @@
+"""Keep several vLLM replicas on the same adapter versions: `Fleet`.
+
+Why: a Pipeline RL deployment runs several `vllm serve --plugin art` replicas behind whatever
+load balancer the team already has. Requests keep going through that balancer; the trainer
+only has to make every replica serve each new policy version, and to know which replicas do
+not (so it can drain them from the balancer and bring them back). One publish is one
+operation: the same `operation_id` goes to every replica, so a retry after a lost answer is
+recognised by the replica instead of applied twice.
+
+Rules (README "Several servers: the fleet"):
+- `publish(slot, path, version)` posts the update to every replica concurrently (one thread
+  each), retries connection errors, timeouts and 5xx with backoff up to the deadline
+  (`RetryPolicy`), never retries a 4xx. A 409 is checked against the replica's
+  `/art/v1/slots`: a replica already at that version (same digest when both are known) counts
+  as `already_applied`; otherwise it is a refusal.
+- The fleet's target for a slot moves when at least one replica applied the version. A replica
+  is quarantined (left out of `healthy()`) when it does not serve the target after a publish,
+  when a call to it failed for connection/5xx reasons, or when `slots()` sees it behind.
+  Quarantine ends when a later `publish` or `reconcile()` leaves it on every target, checked
+  on its own `/art/v1/slots`.
+- `reconcile()` re-publishes each slot's target (path, version and original operation id) to
+  every replica that is behind, e.g. one that restarted at version 0.
+- One publisher per fleet: `publish`, `reconcile` and `slots` run one at a time; `healthy()`
+  never waits for them. The fleet assumes it is the only publisher of its slots.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import httpx
+
+from art_vllm_plugin.adapter_digest import check_format
+from art_vllm_plugin.client.fleet_types import (
+    FleetConfig,
+    Outcome,
+    PublishResult,
+    ReconcileResult,
+    ReplicaResult,
+    RetryPolicy,
+    SlotView,
+)
+
+UPDATE_ROUTE = "/art/v1/lora/update"
+SLOTS_ROUTE = "/art/v1/slots"
+
+
+@dataclass(frozen=True)
+class _Target:
+    """The fleet's last applied publish of a slot: what `reconcile()` re-sends."""
+
+    path: str
+    version: int
+    operation_id: str
+    digest: str | None
+
+
+class _Unreachable(Exception):
+    """`GET /art/v1/slots` got no usable answer."""
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except Exception:
+        return resp.text[:500]
+
+
+class Fleet:
+    """Publish adapter versions to several replicas; track which replicas are current.
+
+    `Fleet(urls, api_key=..., deadline_s=...)`; `deadline_s` overrides `config.retry`'s.
+    Use as a context manager or call `close()`.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        api_key: str | None = None,
+        deadline_s: float | None = None,
+        config: FleetConfig | None = None,
+    ):
+        urls = [str(u).rstrip("/") for u in urls]
+        if not urls:
+            raise ValueError("Fleet needs at least one replica URL, got none")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"Fleet got a replica URL more than once: {urls}")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"replica URL {url!r} must start with http:// or https://")
+        config = config or FleetConfig()
+        if api_key is not None:
+            config = replace(config, api_key=api_key)
+        if deadline_s is not None:
+            config = replace(config, retry=replace(config.retry, deadline_s=deadline_s))
+        self.config = config
+        self.urls: tuple[str, ...] = tuple(urls)
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._http = {
+            url: httpx.Client(base_url=url, headers=headers, timeout=config.retry.attempt_timeout_s)
+            for url in urls
+        }
+        self._pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="art-fleet")
+        self._op_lock = threading.Lock()  # one publish / reconcile / slots at a time
+        self._state_lock = threading.Lock()  # guards _targets and _quarantined
+        self._targets: dict[str, _Target] = {}
+        self._quarantined: dict[str, str] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for client in self._http.values():
+            client.close()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- state -----------------------------------------------------------------------------
+
+    def healthy(self) -> list[str]:
+        """Replicas known to serve every version this fleet published (send traffic here)."""
+        with self._state_lock:
+            return [u for u in self.urls if u not in self._quarantined]
+
+    def quarantined(self) -> dict[str, str]:
+        """url -> why it is quarantined."""
+        with self._state_lock:
+            return dict(self._quarantined)
+
+    def targets(self) -> dict[str, int]:
+        """slot -> the last version this fleet published to at least one replica."""
+        with self._state_lock:
+            return {slot: t.version for slot, t in self._targets.items()}
+
+    def _quarantine(self, url: str, why: str) -> None:
+        with self._state_lock:
+            self._quarantined[url] = why
+
+    # -- publish ---------------------------------------------------------------------------
+
+    def publish(
+        self, slot: str, path: str, version: int, digest: str | None = None
+    ) -> PublishResult:
+        """Post `{slot, path, version}` (and `digest` if given) to every replica at once.
+
+        Returns every replica's result; raises only on bad arguments. `digest` is the
+        adapter's content digest (`art_vllm_plugin.adapter_digest.digest_dir`), checked by
+        each replica when it supports that.
+        """
+        if not isinstance(slot, str) or not slot:
+            raise ValueError(f"slot must be a non-empty string, got {slot!r}")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"version must be a non-negative integer, got {version!r}")
+        if digest is not None:
+            check_format(digest)
+        target = _Target(str(path), version, f"fleet-{uuid.uuid4().hex}", digest)
+        with self._op_lock:
+            deadline = time.monotonic() + self.config.retry.deadline_s
+            quarantined = self.quarantined()
+            futures = [
+                self._pool.submit(self._send, url, slot, target, deadline, url in quarantined)
+                for url in self.urls
+            ]
+            results = tuple(f.result() for f in futures)
+            self._settle(slot, target, results)
+        return PublishResult(slot, target.path, version, target.operation_id, results)
+
+    def _settle(self, slot: str, target: _Target, results: Iterable[ReplicaResult]) -> None:
+        """Move the target if any replica applied it; quarantine or release each replica."""
+        results = list(results)
+        if any(r.ok for r in results):
+            with self._state_lock:
+                self._targets[slot] = target
+        moved = any(r.ok for r in results)
+        was_quarantined = self.quarantined()
+        for r in results:
+            if not r.ok and (moved or r.outcome is Outcome.FAILED):
+                self._quarantine(r.url, r.error or f"{r.outcome.value} on {slot}@{r.version}")
+            elif r.ok and r.url in was_quarantined:
+                self._release_if_current(r.url)
+
+    def _release_if_current(self, url: str) -> None:
+        """End `url`'s quarantine if its own `/art/v1/slots` shows every target."""
+        try:
+            reported = self._get_slots(url)
+        except _Unreachable as exc:
+            self._quarantine(url, str(exc))
+            return
+        with self._state_lock:
+            behind = {
+                s: (reported.get(s, (None, None))[0], t.version)
+                for s, t in self._targets.items()
+                if reported.get(s, (None, None))[0] != t.version
+            }
+            if behind:
+                self._quarantined[url] = f"{url} is behind the fleet: {behind} (have, want)"
+            else:
+                self._quarantined.pop(url, None)
+
+    def _send(
+        self, url: str, slot: str, target: _Target, deadline: float, quarantined: bool
+    ) -> ReplicaResult:
+        """One replica: post until it answers for good, the attempts or the deadline run out."""
+        policy: RetryPolicy = self.config.retry
+        max_attempts = self.config.quarantined_attempts if quarantined else policy.max_attempts
+        body = {
+            "slot": slot,
+            "path": target.path,
+            "version": target.version,
+            "operation_id": target.operation_id,
+        }
+        if target.digest is not None:
+            body["digest"] = target.digest
+        http = self._http[url]
+        t0 = time.monotonic()
+        delays = policy.delays()
+        attempts = 0
+        last_error = "no attempt made before the deadline"
+        last_status = None
+
+        def result(outcome: Outcome, **kw) -> ReplicaResult:
+            return ReplicaResult(
+                url, slot, target.version, outcome, attempts, time.monotonic() - t0, **kw
+            )
+
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            attempts += 1
+            try:
+                resp = http.post(
+                    UPDATE_ROUTE, json=body, timeout=min(policy.attempt_timeout_s, remaining)
+                )
+            except httpx.TransportError as exc:
+                last_error, last_status = f"{type(exc).__name__}: {exc}", None
+            else:
+                status = resp.status_code
+                if status < 300:
+                    payload = resp.json()
+                    replayed = isinstance(payload, dict) and bool(payload.get("replayed"))
+                    outcome = Outcome.ALREADY_APPLIED if replayed else Outcome.APPLIED
+                    return result(outcome, status=status, response=payload)
+                if status == 409:
+                    return self._check_conflict(url, slot, target, _message(resp), result)
+                if status < 500:
+                    return result(
+                        Outcome.REFUSED,
+                        status=status,
+                        error=f"{url} refused {slot}@{target.version}: {status} {_message(resp)}",
+                    )
+                last_error, last_status = f"{status} {_message(resp)}", status
+            if max_attempts is not None and attempts >= max_attempts:
+                break
+            delay = next(delays)
+            if time.monotonic() + delay >= deadline:
+                break
+            time.sleep(delay)
+        why = "attempts" if max_attempts is not None and attempts >= max_attempts else "deadline"
+        return result(
+            Outcome.FAILED,
+            status=last_status,
+            error=(
+                f"{url} did not apply {slot}@{target.version}: {attempts} attempt(s) in "
+                f"{time.monotonic() - t0:.1f}s, stopped by the {why} "
+                f"(deadline {policy.deadline_s:g}s, max attempts {max_attempts}); "
+                f"last error: {last_error}"
+            ),
+        )
+
+    def _check_conflict(self, url, slot, target: _Target, message: str, result) -> ReplicaResult:
+        """A 409: the same version already there counts as applied; anything else refuses."""
+        try:
+            reported = self._get_slots(url)
+        except _Unreachable as exc:
+            return result(
+                Outcome.FAILED, status=409, error=f"{url} answered 409 ({message}); then {exc}"
+            )
+        have, have_digest = reported.get(slot, (None, None))
+        same_content = target.digest is None or have_digest is None or have_digest == target.digest
+        if have == target.version and same_content:
+            return result(Outcome.ALREADY_APPLIED, status=409, response={"conflict": message})
+        return result(
+            Outcome.REFUSED,
+            status=409,
+            error=(
+                f"{url} refused {slot}@{target.version}: 409 {message} (the replica reports "
+                f"version {have}, digest {have_digest})"
+            ),
+        )
+
+    # -- observe and repair ----------------------------------------------------------------
+
+    def _get_slots(self, url: str) -> dict[str, tuple[int, str | None]]:
+        """slot -> (version, digest or None) as the replica reports them."""
+        try:
+            resp = self._http[url].get(SLOTS_ROUTE, timeout=self.config.slots_timeout_s)
+        except httpx.TransportError as exc:
+            raise _Unreachable(f"{url} {SLOTS_ROUTE}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code != 200:
+            raise _Unreachable(f"{url} {SLOTS_ROUTE}: {resp.status_code} {_message(resp)}")
+        try:
+            return {s["slot"]: (s["version"], s.get("digest")) for s in resp.json()}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise _Unreachable(
+                f"{url} {SLOTS_ROUTE}: unexpected answer {resp.text[:200]!r}"
+            ) from exc
+
+    def _survey(self) -> dict[str, dict[str, tuple[int, str | None]] | None]:
+        """Every replica's slots at once; None for a replica that did not answer."""
+
+        def one(url):
+            try:
+                return self._get_slots(url)
+            except _Unreachable as exc:
+                return exc
+
+        answers = dict(zip(self.urls, self._pool.map(one, self.urls), strict=True))
+        for url, answer in answers.items():
+            if isinstance(answer, _Unreachable):
+                self._quarantine(url, str(answer))
+        return {u: (None if isinstance(a, _Unreachable) else a) for u, a in answers.items()}
+
+    def slots(self) -> dict[str, SlotView]:
+        """slot -> what each replica reports and the fleet's target; `SlotView.agreed`.
+
+        Replicas that do not answer, or are behind a target (e.g. restarted at version 0),
+        are quarantined; only `publish` and `reconcile` end a quarantine.
+        """
+        with self._op_lock:
+            survey = self._survey()
+            return self._views(survey)
+
+    def _views(self, survey) -> dict[str, SlotView]:
+        targets = self.targets()
+        names = set(targets)
+        for answer in survey.values():
+            names.update(answer or ())
+        views = {}
+        for name in sorted(names):
+            versions = {u: (a or {}).get(name, (None, None))[0] for u, a in survey.items()}
+            digests = {u: (a or {}).get(name, (None, None))[1] for u, a in survey.items()}
+            views[name] = SlotView(name, targets.get(name), versions, digests)
+            for url in views[name].behind:
+                self._quarantine(
+                    url,
+                    f"{url} serves {name}@{versions[url]}, the fleet published "
+                    f"{name}@{targets[name]}",
+                )
+        return views
+
+    def reconcile(self) -> ReconcileResult:
+        """Bring every replica to every target: re-publish what it misses, then re-check.
+
+        Each re-publish reuses the original operation id, path and digest. A replica ahead of
+        the target (someone else published) is reported and stays quarantined.
+        """
+        with self._op_lock:
+            survey = self._survey()
+            with self._state_lock:
+                targets = dict(self._targets)
+            deadline = time.monotonic() + self.config.retry.deadline_s
+
+            def repair(url: str) -> list[ReplicaResult]:
+                have = survey[url]
+                out = []
+                for slot, target in targets.items():
+                    version = None if have is None else have.get(slot, (None, None))[0]
+                    if version == target.version:
+                        continue
+                    out.append(self._send(url, slot, target, deadline, quarantined=False))
+                return out
+
+            per_url = dict(zip(self.urls, self._pool.map(repair, self.urls), strict=True))
+            updates = tuple(r for rs in per_url.values() for r in rs)
+            for url, results in per_url.items():
+                failed = [r for r in results if not r.ok]
+                if failed:
+                    self._quarantine(url, "; ".join(r.error or r.outcome.value for r in failed))
+                elif survey[url] is None or results or url in self.quarantined():
+                    self._release_if_current(url)
+            return ReconcileResult(updates, tuple(self.healthy()), self.quarantined())
