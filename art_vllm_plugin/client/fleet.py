@@ -148,13 +148,20 @@ class Fleet:
     # -- publish ---------------------------------------------------------------------------
 
     def publish(
-        self, slot: str, path: str, version: int, digest: str | None = None
+        self,
+        slot: str,
+        path: str,
+        version: int,
+        digest: str | None = None,
+        operation_id: str | None = None,
     ) -> PublishResult:
         """Post `{slot, path, version}` (and `digest` if given) to every replica at once.
 
         Returns every replica's result; raises only on bad arguments. `digest` is the
         adapter's content digest (`art_vllm_plugin.adapter_digest.digest_dir`), checked by
-        each replica when it supports that.
+        each replica. `operation_id` defaults to a fresh id per call; pass your own (e.g.
+        derived from the training step) to make a trainer that restarts and publishes the
+        same step again idempotent: replicas that applied it answer with the first response.
         """
         if not isinstance(slot, str) or not slot:
             raise ValueError(f"slot must be a non-empty string, got {slot!r}")
@@ -162,7 +169,11 @@ class Fleet:
             raise ValueError(f"version must be a non-negative integer, got {version!r}")
         if digest is not None:
             check_format(digest)
-        target = _Target(str(path), version, f"fleet-{uuid.uuid4().hex}", digest)
+        if operation_id is None:
+            operation_id = f"fleet-{uuid.uuid4().hex}"
+        elif not isinstance(operation_id, str) or not 1 <= len(operation_id) <= 200:
+            raise ValueError(f"operation_id must be a string of 1..200 chars, got {operation_id!r}")
+        target = _Target(str(path), version, operation_id, digest)
         with self._op_lock:
             deadline = time.monotonic() + self.config.retry.deadline_s
             quarantined = self.quarantined()
