@@ -1,0 +1,88 @@
+"""`--art-routes`: which capture path serves routes, and the preconditions, checked at start.
+
+vLLM 0.32 captures routed experts only in Model Runner V2 (`--enable-return-routed-experts`,
+the "AuxOutput connector"): the scheduler side (`AuxOutputSchedulerConnector`, which tracks each
+request's emit cursor and honours `routed_experts_prompt_start`) and the output side
+(`EngineCoreOutput.routed_experts` -> `CompletionOutput.routed_experts`) are runner-agnostic,
+but the worker side exists only in MRV2, which needs Triton. `--art-routes` turns the native
+option on and, where the V1 runner serves (the CPU build), lets the plugin's worker hook
+(`art_vllm_plugin.worker.route_capture`) fill the same output field. vLLM's own config check
+refuses AuxOutput without MRV2; on the CPU platform with `--art-routes` we replace that one
+check by the preconditions our worker path really has, each refused with its own message.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV_VAR = "ART_VLLM_ROUTES"
+MAX_BYTES_ENV = "ART_VLLM_ROUTES_MAX_BYTES"
+DEFAULT_MAX_BODY_BYTES = 512 * 2**20
+_MARK = "__art_routes_checked__"
+
+
+def selected() -> bool:
+    """`--art-routes` was given (the flag exports ART_VLLM_ROUTES=1 to every vLLM process)."""
+    return os.environ.get(ENV_VAR) == "1"
+
+
+def max_body_bytes() -> int:
+    """Largest `application/vnd.art.routes` body the server sends (413 beyond it)."""
+    raw = os.environ.get(MAX_BYTES_ENV)
+    if raw is None:
+        return DEFAULT_MAX_BODY_BYTES
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ValueError(f"{MAX_BYTES_ENV} must be a positive integer, got {raw!r}") from exc
+    if value <= 0:
+        raise ValueError(f"{MAX_BYTES_ENV} must be a positive integer, got {raw!r}")
+    return value
+
+
+def worker_path_problems(vllm_config) -> list[str]:
+    """Why the plugin's worker capture cannot serve this configuration (empty: it can)."""
+    problems = []
+    model = vllm_config.model_config
+    if model.runner_type != "generate":
+        problems.append(f"a generating model (runner is {model.runner_type!r})")
+    if not model.is_moe:
+        problems.append(
+            f"a mixture-of-experts model ({model.model!r} has no routed experts: "
+            f"architectures {getattr(model.hf_config, 'architectures', None)})"
+        )
+    if vllm_config.speculative_config is not None:
+        problems.append("no speculative decoding (rejected draft rows are not handled)")
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        problems.append("pipeline parallel size 1")
+    if parallel.data_parallel_size > 1:
+        problems.append("data parallel size 1")
+    if vllm_config.scheduler_config.async_scheduling:
+        problems.append("synchronous scheduling (--no-async-scheduling)")
+    return problems
+
+
+def install(vllm_config_cls, use_worker_path) -> None:
+    """Wrap `VllmConfig._verify_aux_output_compatibility` (idempotent).
+
+    `use_worker_path(config)` says whether this config will be served by the V1 runner on the
+    CPU platform with `--art-routes`; then our preconditions replace vLLM's MRV2 requirement.
+    """
+    original = vllm_config_cls._verify_aux_output_compatibility
+    if getattr(original, _MARK, False):
+        return
+
+    def verify(self) -> None:
+        if self.aux_output_config.enabled and selected() and use_worker_path(self):
+            problems = worker_path_problems(self)
+            if problems:
+                raise ValueError(
+                    "--art-routes (route capture in the CPU worker) needs " + "; ".join(problems)
+                )
+            return
+        original(self)
+
+    setattr(verify, _MARK, True)
+    verify.__wrapped__ = original
+    vllm_config_cls._verify_aux_output_compatibility = verify
