@@ -1,4 +1,4 @@
-"""`make demo`: serve the tiny model with `--plugin art` and show what the plugin does.
+"""`make demo-serve`: serve the tiny model with `--plugin art` and show what the plugin does.
 
 Starts a real `vllm serve` (stock CLI, `--plugin art`) on a free loopback port, asks the art
 routes what this server can do, runs a long generation on the LoRA slot `policy` (adapter a)

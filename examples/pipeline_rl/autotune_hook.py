@@ -1,0 +1,107 @@
+"""`--autotune`: the loop's knobs moved online by `art_vllm_plugin.autotune` (issue 17 item 3).
+
+The tuner polls the real server's `/art/metrics` once a second on its own thread and gets one
+`StepRecord` per training step from the loop; after its warm-up, every `window_steps` steps it
+decides the rollout workers (active worker threads), the groups per step (target, min, max)
+and the queue capacity. The loop applies the settings before the next step and prints the
+decision (or "hold"/"warm-up") on the step's line. Strict metrics contract: a missing or stale
+`/art/metrics` field stops the loop with the tuner's error naming it.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from art_vllm_plugin.autotune import Autotuner, GroupShape, Settings, StepRecord, TunerConfig
+
+
+class LoopTuner:
+    def __init__(self, cfg, url: str):
+        self.cfg = cfg
+        self._http = httpx.Client(base_url=url, timeout=5)
+        config = TunerConfig(
+            max_rollout_workers=cfg.max_rollout_workers,
+            policy_age_limit=cfg.max_policy_age,
+            seq_len=cfg.seq_len,
+            rollouts_per_group=cfg.group_size,
+            max_batch_ceiling=16,
+            max_queue_capacity=32,
+            warmup_steps=3,
+            window_steps=3,
+            seed=cfg.seed,
+        )
+        groups = cfg.groups_per_step
+        self.tuner = Autotuner(
+            config,
+            Settings(
+                rollout_workers=cfg.rollout_workers,
+                min_batch_groups=max(1, groups // 2),
+                max_batch_groups=groups * 2,
+                target_groups=groups,
+                queue_capacity=cfg.queue_capacity,
+            ),
+            fetch=self._fetch,
+            profile_path=cfg.path / "autotune_profile.json",
+        )
+        self.tuner.poll()
+        self.tuner.start_polling()
+
+    def _fetch(self) -> dict:
+        resp = self._http.get("/art/metrics")
+        resp.raise_for_status()
+        return resp.json()
+
+    def step(self, rec: dict, accepted, packed, settings: dict, queue) -> str:
+        """Feed one step; apply the (possibly new) settings; return what to print."""
+        rollout_s = [g.finished - g.started for g, _, _ in accepted]
+        put_wait = [g.put_wait_s for g, _, _ in accepted]
+        shapes = [
+            GroupShape(len(g.prompt), tuple(len(r.completion) for r, _ in keep))
+            for g, keep, _ in accepted
+        ]
+        before = len(self.tuner.decisions)
+        new = self.tuner.on_step(
+            StepRecord(
+                step=rec["step"],
+                wall_s=rec["wall_s"],
+                wait_s=min(rec["wait_s"], rec["wall_s"]),
+                rollout_s=sum(rollout_s) / len(rollout_s),
+                groups=rec["groups"],
+                packed_rows=rec["packed_rows"],
+                padding_tokens=rec["packed_rows"] * self.cfg.seq_len - rec["packed_tokens"],
+                stale_discards=rec["dropped_stale_groups"],
+                zero_variance_discards=rec["dropped_zero_var"],
+                put_wait_s=sum(put_wait) / len(put_wait),
+                accepted_tokens=rec["accepted_tokens"],
+                max_policy_age=float(rec["age_max"]),
+                mean_policy_age=rec["age_mean"],
+                shapes=shapes,
+            )
+        )
+        settings["workers"] = new.rollout_workers
+        settings["groups"] = new.target_groups
+        queue.set_capacity(new.queue_capacity)
+        rec["settings"] = new.as_dict()
+        if len(self.tuner.decisions) == before:
+            return "warm-up" if self._warming(rec["step"]) else "collecting window"
+        decision = self.tuner.decisions[-1]
+        moves = ", ".join(f"{k} {a}->{b}" for k, (a, b) in decision.changed.items())
+        return moves or "hold"
+
+    def _warming(self, step: int) -> bool:
+        first = self.tuner.run_first_step or step
+        return step - first + 1 <= self.tuner.config.warmup_steps
+
+    def decisions(self) -> list[dict]:
+        return [
+            {"step": d.step, "changed": d.changed, "reasons": d.reasons, "degraded": d.degraded}
+            for d in self.tuner.decisions
+        ]
+
+    def close(self) -> None:
+        self.tuner.stop_polling()
+        self._http.close()
+
+
+def make_tuner(cfg, url: str) -> LoopTuner:
+    return LoopTuner(cfg, url)

@@ -1,0 +1,58 @@
+"""The loop's settings, one typed object shared by the driver (`run.py`) and the trainer.
+
+The driver writes it as JSON into the run directory; the trainer (another virtual environment,
+another Python) reads it back. Everything a run depends on is here, seeds included.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    run_dir: str  # everything the run writes: adapters, optimizer checkpoints, metrics, plot
+    hf_model: str  # the tiny model (HF directory): the server serves it, the trainer loads it
+    init_adapter: str  # PEFT adapter both sides start from (served as version 0 of the slot)
+    steps: int = 30
+    slot: str = "policy"  # the slot rollouts sample from
+    publish_slot: str = "policy"  # where updates go; anything else breaks the loop (a test)
+    group_size: int = 8  # completions per prompt (one GRPO group)
+    groups_per_step: int = 4  # accepted groups per optimizer step
+    prompt_len: int = 8
+    completion_len: int = 16
+    max_policy_age: int = 4  # trajectories with a token-weighted age above this are dropped
+    rollout_workers: int = 2
+    queue_capacity: int = 8  # groups; workers block when it is full
+    seq_len: int = 256  # packed row length
+    lr: float = 5e-3
+    clip_eps: float = 0.2
+    save_interval: int = 5  # optimizer checkpoint every N steps (and on the final step)
+    seed: int = 0
+    autotune: bool = False
+    max_rollout_workers: int = 4  # the autotuner's absolute worker cap
+    fresh_ratio_tolerance: float = 1e-4  # |ratio - 1| allowed on age-0 tokens (parity check)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.group_size < 2 or self.groups_per_step < 1:
+            raise ValueError(f"need steps >= 1, group_size >= 2, groups_per_step >= 1: {self}")
+        if self.prompt_len + self.group_size * self.completion_len > self.seq_len:
+            raise ValueError(
+                f"one group ({self.prompt_len} + {self.group_size} x {self.completion_len} "
+                f"tokens) must fit a packed row of seq_len {self.seq_len}"
+            )
+
+    @property
+    def path(self) -> Path:
+        return Path(self.run_dir)
+
+    def save(self) -> Path:
+        out = self.path / "loop_config.json"
+        out.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path) -> LoopConfig:
+        return cls(**json.loads(Path(path).read_text()))

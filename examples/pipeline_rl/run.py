@@ -1,0 +1,170 @@
+"""Pipeline RL on the tiny model, end to end: `make demo` (runs in `.venv-serve`).
+
+    .venv-serve/bin/python examples/pipeline_rl/run.py [--steps 30] [--autotune]
+
+Starts, at the same time, the trainer process (`.venv-train`, `trainer.py`: Megatron GPT +
+LoRA, resident optimizer, prefix-tree packing, PEFT export, in-flight publish, rollout worker
+threads) and a real `vllm serve --plugin art` serving the tiny model with slot `policy`. When
+the server answers `/health` the driver tells the trainer its URL (RUN_DIR/server.json), then
+waits. Both run in their own process groups; on Ctrl-C, on a failure of either, or at the end,
+the `finally` blocks stop the trainer's group and then the server's. At the end it plots
+reward and score per step (RUN_DIR/loop.png) and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO))
+
+from loop_config import LoopConfig  # noqa: E402
+from report import plot, summarize  # noqa: E402
+
+from art_vllm_plugin import serve_process  # noqa: E402
+
+
+def say(msg: str) -> None:
+    print(f"[driver] {msg}", flush=True)
+
+
+def parse_args(argv=None) -> tuple[LoopConfig, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", default=".cache/pipeline_rl/run")
+    parser.add_argument("--tiny", default=".cache/tiny")
+    parser.add_argument("--train-python", default=str(REPO / ".venv-train" / "bin" / "python"))
+    parser.add_argument("--autotune", action="store_true", help="tune workers/batch/queue online")
+    skip = {"run_dir", "hf_model", "init_adapter", "autotune"}
+    for f in fields(LoopConfig):
+        if f.name in skip:
+            continue
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default
+        )
+    args = parser.parse_args(argv)
+    tiny = Path(args.tiny).resolve()
+    values = {f.name: getattr(args, f.name) for f in fields(LoopConfig) if f.name not in skip}
+    cfg = LoopConfig(
+        run_dir=str(Path(args.run_dir).resolve()),
+        hf_model=str(tiny / "model"),
+        init_adapter=str(tiny / "adapters" / "a"),
+        autotune=args.autotune,
+        **values,
+    )
+    return cfg, args
+
+
+def server_config(cfg: LoopConfig) -> serve_process.ServeConfig:
+    """The tiny model in float32 (the trainer computes in float32: equal dtypes are what makes
+    fresh-token ratios 1 up to kernel rounding), slot `policy` (and `shadow`, the wrong slot a
+    test publishes to) starting from the trainer's initial adapter, adapters from RUN_DIR."""
+    args = [
+        *serve_process.tiny_lora_args(),
+        "--dtype",
+        "float32",  # overrides tiny_lora_args' bfloat16 (argparse keeps the last)
+        "--lora-modules",
+        f"{cfg.slot}={cfg.init_adapter}",
+        "shadow=" + cfg.init_adapter,
+        "--art-adapter-root",
+        cfg.run_dir,
+        "--max-num-seqs",
+        "64",
+    ]
+    return serve_process.ServeConfig(
+        model=cfg.hf_model, args=tuple(args), log_path=cfg.path / "server.log"
+    )
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 20) -> None:
+    """SIGTERM the process group, then SIGKILL what is left."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def run(cfg: LoopConfig, args) -> dict:
+    if cfg.path.exists() and any(cfg.path.iterdir()):
+        if not (cfg.path / "loop_config.json").exists():
+            raise SystemExit(f"--run-dir {cfg.path} is not empty and holds no earlier run: refused")
+        shutil.rmtree(cfg.path)  # an earlier run of this loop: start afresh
+    cfg.path.mkdir(parents=True, exist_ok=True)
+    config_path = cfg.save()
+    timings, pids = {}, {}
+    t0 = time.monotonic()
+    trainer = subprocess.Popen(
+        [args.train_python, str(HERE / "trainer.py"), str(config_path)],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "PYTHONPATH": f"{HERE}{os.pathsep}{REPO}",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",  # Megatron's Apex/TE fallbacks warn on every import
+        },
+        start_new_session=True,  # own process group: Ctrl-C here, stop_group() there
+    )
+    pids["trainer"] = trainer.pid
+    server = None
+    try:
+        scfg = server_config(cfg)
+        say(f"starting vllm serve --plugin art (log {scfg.log_path}) and the trainer")
+        server = serve_process.start(scfg)
+        pids["server"] = server.proc.pid
+        timings["server_start_s"] = time.monotonic() - t0
+        say(f"server ready at {server.url} after {timings['server_start_s']:.1f}s")
+        (cfg.path / "server.json").write_text(json.dumps({"url": server.url}))
+        t_loop = time.monotonic()
+        while trainer.poll() is None:
+            if server.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the server exited ({server.proc.returncode}):\n{server.log_tail()}"
+                )
+            time.sleep(0.5)
+        timings["trainer_after_server_s"] = time.monotonic() - t_loop
+        if trainer.returncode != 0:
+            raise RuntimeError(f"the trainer failed with exit code {trainer.returncode}")
+    finally:
+        stop_group(trainer)
+        if server is not None:
+            server.stop()
+        (cfg.path / "pids.json").write_text(json.dumps(pids))
+    t_plot = time.monotonic()
+    png = plot(cfg.path)
+    timings["plot_s"] = time.monotonic() - t_plot
+    timings["total_s"] = time.monotonic() - t0
+    return summarize(cfg, timings, png)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+    cfg, args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # a killed driver still stops its processes
+    try:
+        run(cfg, args)
+    except KeyboardInterrupt:
+        say("interrupted: trainer and server stopped")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
