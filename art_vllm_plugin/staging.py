@@ -52,6 +52,14 @@ def new_stage_dir(config: StagingConfig, slot: str, version: int) -> Path:
     return path
 
 
+def marker_dir(stage_dir: str | Path, engine: int) -> Path:
+    """Where DP engine `engine`'s workers leave their markers: every engine numbers its workers
+    from 0, so each engine gets a directory of its own inside the stage directory."""
+    path = Path(stage_dir) / f"markers-engine{engine}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
 def write_files(stage_dir: Path, files: dict[str, bytes]) -> None:
     for name, data in files.items():
         (stage_dir / name).write_bytes(data)

@@ -12,6 +12,13 @@ cache was at least `KV_FULL_FRACTION` used: adding load there only queues),
 `num_waiting_deferred` (waiting on something other than capacity, e.g. a remote KV transfer),
 `preemptions_total` and `idle` (the last step left nothing running or waiting: an idle engine
 reports no steps, so its snapshot ages without being stale).
+
+Schema 3 adds each slot's `digest` (`art_vllm_plugin.adapter_digest` of the adapter it serves;
+version 0: the start adapter) and takes the slot fields (version, digest, updates,
+failed_updates, last_update_ms) from EngineCore's slot registry, so every API server of a
+deployment reports the same ones; `failed_updates_total` still adds this API server's own
+refusals of requests that named no known slot. The engine fields (steps, queues, tokens) are
+this API server's view (vLLM's stat logger of this process).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 TOKENS_WINDOW_S = 10.0
 KV_FULL_FRACTION = 0.95
 
@@ -105,6 +112,7 @@ class MetricsFeed:
             "slots": {
                 s.name: {
                     "version": s.version,
+                    "digest": s.digest,
                     "updates": s.updates,
                     "failed_updates": s.failed_updates,
                     "last_update_ms": s.last_update_ms,

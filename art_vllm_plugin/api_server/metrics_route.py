@@ -6,7 +6,8 @@ machinery: that fixed cost is most of a small request. This middleware, added la
 first, answers `GET /art/metrics` itself and passes everything else through untouched. It
 checks the API key with the same rule as the other `/art/*` routes, formats the in-memory
 snapshot with `json.dumps`, and answers 503 when `?max_age_s=X` is given and the snapshot is
-older than X seconds, so a client can insist on fresh numbers.
+older than X seconds, so a client can insist on fresh numbers. Slot fields are read from
+EngineCore's registry (one utility call) so every API server reports the same ones.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ def _error(status: int, message: str) -> tuple[int, dict]:
     return status, {"error": {"message": message, "code": status}}
 
 
-def render(art, query_string: bytes, authorization: str | None) -> tuple[int, dict]:
+async def render(art, query_string: bytes, authorization: str | None) -> tuple[int, dict]:
     if art.api_key_digests and not key_matches(authorization, art.api_key_digests):
         return 401, {"detail": UNAUTHORIZED}
-    snap = FEED.snapshot(art.slots.slots.values(), art.slots.failed_unattributed)
+    slots = await art.slots.refresh()
+    snap = FEED.snapshot(slots.values(), art.slots.failed_unattributed)
     raw = parse_qs(query_string.decode("latin-1")).get("max_age_s", [None])[0]
     if raw is None:
         return 200, snap
@@ -57,7 +59,7 @@ class ArtMetricsMiddleware:
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
-        status, payload = render(scope["app"].state.art, scope["query_string"], authorization)
+        status, payload = await render(scope["app"].state.art, scope["query_string"], authorization)
         body = json.dumps(payload, separators=(",", ":")).encode()
         await send(
             {

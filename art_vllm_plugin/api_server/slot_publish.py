@@ -1,20 +1,28 @@
-"""Publishing a validated adapter to the engine: stage on every worker, then one swap.
+"""Publishing a validated adapter to every engine: stage everywhere, then commit everywhere.
 
-Runs in the API server, after the adapter's bytes were read once and validated
-(`art_vllm_plugin.adapters`):
+Runs in the API server, after the adapter's bytes were read once, validated and digested
+(`art_vllm_plugin.adapters`, `art_vllm_plugin.adapter_digest`). With data parallelism
+(`--data-parallel-size N`) the API server manages N engines, each with its own workers; the
+update is a two-phase commit over all of them, reached one by one through
+`compat.engine_targets` / `compat.call_engine_utility_on` (vLLM's own `call_utility_async`
+reaches engine 0 only, or returns only the first engine's answer):
 
-1. write the validated bytes to a fresh staging directory (`art_vllm_plugin.staging`);
-2. one EngineCore utility call has every worker start staging on a background thread
-   (the step loop is held for one RPC round trip);
-3. wait here, off the engine, for every worker's `ready`/`failed` marker;
-4. one EngineCore utility call swaps the staged tensors in on every worker, all or nothing,
-   and bumps the slot's version (`engine_core/slot_updates.py`);
-5. remove the staging directory, whatever happened.
+1. write the validated bytes once to a fresh staging directory (`art_vllm_plugin.staging`),
+   with one marker directory per engine;
+2. *prepare*: one utility call per engine has every worker of that engine start staging on a
+   background thread (each engine's step loop is held for one RPC round trip);
+3. wait here, off the engines, for every worker's `ready`/`failed` marker of every engine;
+4. *commit* only if every engine prepared: one utility call per engine swaps the staged
+   tensors in on all its workers (all or nothing within the engine) and records the version,
+   path and digest in that engine's slot registry; if any engine fails to commit, the
+   engines that committed revert (`art_revert_lora_update`), so every engine ends on the old
+   version;
+5. abort what is still staged and remove the staging directory, whatever happened.
 
 Errors are sorted by what is known: the adapter refused by a worker's loader is 422 (the old
-version keeps serving); a failed commit whose workers all restored the previous weights is
-500 (the old version keeps serving, the engine is fine); an engine that died or could not
-restore is 503 (the slot's state is unknown: restart the server).
+version keeps serving); a failure after which every engine and worker is back on the previous
+weights is 500 (the old version keeps serving); an engine that died or could not restore is
+503 (the slot's state is unknown: restart the server).
 """
 
 from __future__ import annotations
@@ -22,8 +30,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from art_vllm_plugin import compat, staging
 from art_vllm_plugin.adapters import AdapterFiles
@@ -43,12 +51,36 @@ class PublishError(Exception):
 
 
 @dataclass(frozen=True)
+class Engine:
+    """One DP engine this API server manages."""
+
+    dp_rank: int
+    identity: object
+
+
+@dataclass(frozen=True)
 class PublishResult:
-    step: int
-    engine_ms: float
-    stall_ms: float
+    step: int  # engine 0's step
+    engine_ms: float  # the slowest engine's commit call
+    stall_ms: float  # the largest engine stall (stage + commit)
     stage_ms: float
     resalted_waiting: int
+    receipts: list[dict]
+
+
+def engines_of(engine_client) -> list[Engine]:
+    return [Engine(rank, ident) for rank, ident in compat.engine_targets(engine_client)]
+
+
+async def call(engine_client, engine: Engine, method: str, *args):
+    return await compat.call_engine_utility_on(engine_client, engine.identity, method, *args)
+
+
+async def call_all(engine_client, engines: list[Engine], method: str, *args) -> list:
+    """One call per engine, concurrently; an engine's exception is returned, not raised."""
+    return await asyncio.gather(
+        *(call(engine_client, e, method, *args) for e in engines), return_exceptions=True
+    )
 
 
 def _engine_failure(exc: BaseException, during: str, keeps: str) -> PublishError:
@@ -61,109 +93,158 @@ def _engine_failure(exc: BaseException, during: str, keeps: str) -> PublishError
 
 async def publish(
     engine_client,
+    engines: list[Engine],
     *,
+    token: str,
     lora_int_id: int,
     slot: str,
     files: AdapterFiles,
+    path: str,
+    digest: str,
     version: int,
     current_version: int,
     config: staging.StagingConfig,
 ) -> PublishResult:
     keeps = f"slot {slot!r} keeps serving version {current_version}"
-    token = uuid.uuid4().hex
-    stage_dir = await asyncio.to_thread(_write_stage, config, slot, version, files)
-    staged = False
+    stage_dir = await asyncio.to_thread(_write_stage, config, slot, version, files, engines)
+    staged: list[Engine] = []
     committed = False
     try:
         t0 = time.perf_counter()
-        try:
-            res = await compat.call_engine_utility(
-                engine_client,
-                "art_stage_lora_update",
-                token,
-                lora_int_id,
-                slot,
-                str(stage_dir),
-                version,
-            )
-        except Exception as exc:
-            raise _engine_failure(exc, "staging", keeps) from exc
-        if not res["ok"]:
-            raise PublishError(409, f"{res['error']}; nothing changed")
-        staged = True
-        await _wait_staged(stage_dir, res["ranks"], files, keeps)
-        stage_ms = (time.perf_counter() - t0) * 1000.0
-        try:
-            res = await compat.call_engine_utility(engine_client, "art_commit_lora_update", token)
-        except Exception as exc:
-            staged = False  # the engine may have committed; no abort can be trusted now
-            raise PublishError(
-                503,
-                f"the engine failed during the commit ({type(exc).__name__}: {exc}); whether "
-                f"slot {slot!r} serves version {current_version} or {version} is unknown; "
-                "restart the server",
-            ) from exc
-        staged = False
-        if not res["ok"]:
-            if res["kind"] == "stale":
-                raise PublishError(409, f"{res['error']}; nothing changed")
-            if res.get("restored"):
-                raise PublishError(
-                    500,
-                    f"the engine failed to commit the update ({res['error']}); every worker "
-                    f"restored its previous weights; {keeps}",
+        results = await asyncio.gather(
+            *(
+                call(
+                    engine_client,
+                    e,
+                    "art_stage_lora_update",
+                    token,
+                    lora_int_id,
+                    slot,
+                    str(stage_dir),
+                    version,
+                    str(staging.marker_dir(stage_dir, e.dp_rank)),
                 )
-            raise PublishError(
-                503,
-                f"the engine failed to commit the update ({res['error']}) and could not "
-                f"restore every worker; slot {slot!r}'s weights are unknown; restart the server",
-            )
+                for e in engines
+            ),
+            return_exceptions=True,
+        )
+        staged = [e for e, r in zip(engines, results, strict=True) if isinstance(r, dict)]
+        for e, res in zip(engines, results, strict=True):
+            if isinstance(res, BaseException):
+                raise _engine_failure(res, f"staging on engine {e.dp_rank}", keeps) from res
+        for res in results:
+            if not res["ok"]:
+                raise PublishError(409, f"{res['error']}; nothing changed")
+        await _wait_staged(stage_dir, engines, [r["ranks"] for r in results], files, keeps)
+        stage_ms = (time.perf_counter() - t0) * 1000.0
+        results = await call_all(
+            engine_client, engines, "art_commit_lora_update", token, path, digest
+        )
+        staged = []  # a commit call consumes what was staged, whatever its outcome
+        await _settle_commits(engine_client, engines, results, token, slot, version, keeps)
         committed = True
+        receipts = [
+            {"engine": e.dp_rank, "step": r["step"], "version": version, "digest": digest}
+            for e, r in zip(engines, results, strict=True)
+        ]
         return PublishResult(
-            step=res["step"],
-            engine_ms=res["engine_ms"],
-            stall_ms=res["stall_ms"],
+            step=results[0]["step"],
+            engine_ms=max(r["engine_ms"] for r in results),
+            stall_ms=max(r["stall_ms"] for r in results),
             stage_ms=stage_ms,
-            resalted_waiting=res["resalted_waiting"],
+            resalted_waiting=sum(r["resalted_waiting"] for r in results),
+            receipts=receipts,
         )
     finally:
         if staged and not committed:
-            # If the engine is gone, nothing staged can be used any more anyway.
+            # If an engine is gone, nothing staged there can be used any more anyway.
             with contextlib.suppress(Exception):
-                await compat.call_engine_utility(engine_client, "art_abort_lora_update", token)
+                await call_all(engine_client, staged, "art_abort_lora_update", token)
         await asyncio.to_thread(staging.remove, stage_dir)
 
 
-def _write_stage(config, slot, version, files: AdapterFiles):
+async def _settle_commits(engine_client, engines, results, token, slot, version, keeps) -> None:
+    """Return if every engine committed; else revert the engines that did and raise."""
+    ok = [e for e, r in zip(engines, results, strict=True) if isinstance(r, dict) and r["ok"]]
+    if len(ok) == len(engines):
+        return
+    died = [(e, r) for e, r in zip(engines, results, strict=True) if isinstance(r, BaseException)]
+    refused = [
+        (e, r) for e, r in zip(engines, results, strict=True) if isinstance(r, dict) and not r["ok"]
+    ]
+    if refused and not died and all(r["kind"] == "stale" for _, r in refused) and not ok:
+        raise PublishError(409, f"{refused[0][1]['error']}; nothing changed")
+    reverts = await call_all(engine_client, ok, "art_revert_lora_update", token)
+    reverted = all(isinstance(r, dict) and r["ok"] for r in reverts)
+    errors = "; ".join(
+        [f"engine {e.dp_rank}: {type(r).__name__}: {r}" for e, r in died]
+        + [f"engine {e.dp_rank}: {r['error']}" for e, r in refused]
+        + [
+            f"engine {e.dp_rank} revert: {r if isinstance(r, BaseException) else r['error']}"
+            for e, r in zip(ok, reverts, strict=True)
+            if not (isinstance(r, dict) and r["ok"])
+        ]
+    )
+    if not died and reverted and all(r.get("restored") for _, r in refused):
+        reverted_text = f" engines {[e.dp_rank for e in ok]} reverted;" if ok else ""
+        raise PublishError(
+            500,
+            f"the update failed to commit on every engine ({errors});{reverted_text} every "
+            f"engine and worker is back on its previous weights; {keeps}",
+        )
+    raise PublishError(
+        503,
+        f"the update failed to commit on every engine ({errors}) and not every engine could "
+        f"be restored; whether slot {slot!r} serves its previous version or {version} is "
+        "unknown; restart the server",
+    )
+
+
+def _write_stage(config, slot, version, files: AdapterFiles, engines) -> Path:
     stage_dir = staging.new_stage_dir(config, slot, version)
     try:
         staging.write_files(stage_dir, files.as_files())
+        for e in engines:
+            staging.marker_dir(stage_dir, e.dp_rank)
     except BaseException:
         staging.remove(stage_dir)
         raise
     return stage_dir
 
 
-async def _wait_staged(stage_dir, ranks: list[int], files: AdapterFiles, keeps: str) -> None:
+async def _wait_staged(
+    stage_dir, engines: list[Engine], ranks: list[list[int]], files: AdapterFiles, keeps: str
+) -> None:
     deadline = time.monotonic() + STAGE_TIMEOUT_S
-    while True:
-        ready, failed = staging.poll(stage_dir, ranks)
-        if failed:
-            rank, text = sorted(failed.items())[0]
-            kind, _, error = text.partition("\n")
-            if kind == "adapter":
-                raise PublishError(
-                    422, f"engine refused the adapter at {files.path}: {error}; {keeps}"
-                )
-            raise PublishError(
-                500, f"worker rank {rank} failed to stage the adapter ({error}); {keeps}"
+    pending = list(zip(engines, ranks, strict=True))
+    while pending:
+        still = []
+        for engine, engine_ranks in pending:
+            ready, failed = staging.poll(
+                staging.marker_dir(stage_dir, engine.dp_rank), engine_ranks
             )
-        if len(ready) == len(ranks):
+            if failed:
+                rank, text = sorted(failed.items())[0]
+                kind, _, error = text.partition("\n")
+                if kind == "adapter":
+                    raise PublishError(
+                        422, f"engine refused the adapter at {files.path}: {error}; {keeps}"
+                    )
+                raise PublishError(
+                    500,
+                    f"engine {engine.dp_rank} worker rank {rank} failed to stage the adapter "
+                    f"({error}); every engine aborted the update; {keeps}",
+                )
+            if len(ready) < len(engine_ranks):
+                still.append((engine, engine_ranks))
+        pending = still
+        if not pending:
             return
         if time.monotonic() > deadline:
+            late = {e.dp_rank: r for e, r in pending}
             raise PublishError(
                 500,
-                f"workers {sorted(set(ranks) - set(ready))} did not stage the adapter within "
-                f"{STAGE_TIMEOUT_S:.0f} s; {keeps}",
+                f"workers of engines {sorted(late)} did not stage the adapter within "
+                f"{STAGE_TIMEOUT_S:.0f} s; every engine aborted the update; {keeps}",
             )
         await asyncio.sleep(_POLL_S)

@@ -1,26 +1,36 @@
 """Slots and the update coordinator of the API server.
 
-A slot is a LoRA name given at start (`--lora-modules NAME=PATH`), at policy version 0. An
-update reads and validates the adapter here once (in a thread, off the event loop), then
-publishes those bytes: every worker stages them off the step loop, and one EngineCore utility
-call swaps them in on every worker and bumps the version between the same two engine steps
-(`art_vllm_plugin.api_server.slot_publish`, `art_vllm_plugin.engine_core.slot_updates`).
+A slot is a LoRA name given at start (`--lora-modules NAME=PATH`), at policy version 0. Its
+state (version, committed path, digest, update counters, recent operation ids) lives in
+EngineCore (`engine_core/slot_registry.py`), one identical registry per DP engine, so every
+API-server process (`--api-server-count N`) reads the same thing: `refresh()` is one utility
+call to engine 0, made whenever a reader needs the state (`/art/v1/slots`, `/art/metrics`, a
+`slot@N` alias request), so an update that returned through one API server is seen by all.
 
-Updates are serialized by one lock. Each runs as its own task and the HTTP handler awaits it
-through `asyncio.shield`: a client that disconnects or cancels does not cancel an update that
-may already be committed in the engine, so the registry never disagrees with the engine, and
-the lock is released when the task ends.
+An update: reserve on engine 0 (operation-id replay, `expected_version` compare-and-swap,
+one update at a time across every API server), read and validate the adapter here once (in a
+thread, off the event loop) and digest those bytes, then publish them to every engine
+(`api_server/slot_publish.py`: stage everywhere, commit everywhere or nowhere), and finally
+record the outcome on every engine (`art_finish_update`), which ends the reservation.
+
+Updates of one API server are serialized by one lock. Each runs as its own task and the HTTP
+handler awaits it through `asyncio.shield`: a client that disconnects or cancels does not
+cancel an update that may already be committed in the engines, so the engines' registries
+always end the update, and the lock is released when the task ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from art_vllm_plugin import compat, staging
+from art_vllm_plugin import adapter_digest, compat, staging
 from art_vllm_plugin.adapters import (
     AdapterError,
     AdapterSignature,
@@ -32,6 +42,9 @@ from art_vllm_plugin.api_server.paths import PathPolicy, PathRefused
 
 logger = logging.getLogger("vllm.art_plugin.slots")
 _GAUGE = []
+#: How long an update waits for another API server's update to end before giving up (503).
+RESERVE_WAIT_S = slot_publish.STAGE_TIMEOUT_S + 60.0
+_RESERVE_POLL_S = 0.01
 
 
 def slot_version_gauge():
@@ -58,14 +71,88 @@ class UpdateError(Exception):
         self.message = message
 
 
+@dataclass(frozen=True)
+class UpdateRequest:
+    """`POST /art/v1/lora/update`'s body, parsed."""
+
+    slot: str
+    path: str
+    version: int
+    operation_id: str | None = None
+    expected_version: int | None = None
+    digest: str | None = None
+
+    def fingerprint(self) -> str:
+        """What "the same body" means for an operation id (path as sent, not resolved)."""
+        return json.dumps(
+            [self.slot, self.path, self.version, self.expected_version, self.digest],
+            separators=(",", ":"),
+        )
+
+
+#: Longest accepted `operation_id` (it is kept in EngineCore, 512 per slot).
+MAX_OPERATION_ID = 200
+
+
+def parse_update(body) -> UpdateRequest:
+    """The update body, or `UpdateError(400)` naming the field that is wrong."""
+    if not isinstance(body, dict):
+        raise UpdateError(
+            400,
+            'body must be a JSON object {"slot", "path", "version"[, "operation_id", '
+            '"expected_version", "digest"]}',
+        )
+    slot, path, version = body.get("slot"), body.get("path"), body.get("version")
+    if not isinstance(slot, str) or not slot:
+        raise UpdateError(400, f"'slot' must be a non-empty string, got {slot!r}")
+    if not isinstance(path, str) or not path:
+        raise UpdateError(400, f"'path' must be a non-empty string, got {path!r}")
+    if not _is_version(version):
+        raise UpdateError(400, f"'version' must be a non-negative integer, got {version!r}")
+    op = body.get("operation_id")
+    if op is not None and (not isinstance(op, str) or not 0 < len(op) <= MAX_OPERATION_ID):
+        raise UpdateError(
+            400, f"'operation_id' must be a string of 1..{MAX_OPERATION_ID} characters, got {op!r}"
+        )
+    expected = body.get("expected_version")
+    if expected is not None and not _is_version(expected):
+        raise UpdateError(
+            400, f"'expected_version' must be a non-negative integer, got {expected!r}"
+        )
+    digest = body.get("digest")
+    if digest is not None:
+        try:
+            adapter_digest.check_format(digest)
+        except adapter_digest.DigestFormatError as exc:
+            raise UpdateError(400, f"'digest': {exc}") from exc
+    return UpdateRequest(slot, path, version, op, expected, digest)
+
+
+def _is_version(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+@dataclass
+class LocalSlot:
+    """What this API server knows of a slot by itself (same on every API server)."""
+
+    name: str
+    lora_int_id: int
+    start_path: str
+    start_digest: str
+    reference: AdapterSignature
+
+
 @dataclass
 class Slot:
+    """A slot as EngineCore's registry has it (the last `refresh()`)."""
+
     name: str
     lora_int_id: int
     path: str
     version: int
+    digest: str
     updated_at: float
-    reference: AdapterSignature
     updates: int = 0
     failed_updates: int = 0
     last_update_ms: float | None = None
@@ -76,6 +163,7 @@ class Slot:
             "version": self.version,
             "alias": f"{self.name}@{self.version}",
             "path": self.path,
+            "digest": self.digest,
             "updated_at": self.updated_at,
         }
 
@@ -86,11 +174,16 @@ class SlotRegistry:
         self.paths = paths
         self.serving_models = serving_models
         self.max_lora_rank = max_lora_rank
+        self.engines = slot_publish.engines_of(engine_client)
+        self.local: dict[str, LocalSlot] = {}
+        #: The registry as last read from engine 0 (`refresh()`).
         self.slots: dict[str, Slot] = {}
-        self.failed_unattributed = 0  # refused before a slot was known (bad body, unknown slot)
+        #: Refused before a slot was known (bad body, unknown slot); per API server.
+        self.failed_unattributed = 0
         #: LoRA modules that cannot be updated in flight: name -> why (e.g. a hub id).
         self.refused: dict[str, str] = {}
         self._lock = asyncio.Lock()
+        self._registered = False
         self.staging = staging.StagingConfig.default()
         now = time.time()
         for name, req in (serving_models.lora_requests if serving_models else {}).items():
@@ -104,109 +197,250 @@ class SlotRegistry:
                 )
                 logger.warning("art: %s; it is served but refused for updates", self.refused[name])
                 continue
-            self.slots[name] = Slot(
+            local = LocalSlot(
                 name=name,
                 lora_int_id=req.lora_int_id,
-                path=req.lora_path,
-                version=0,
-                updated_at=now,
+                start_path=req.lora_path,
+                start_digest=adapter_digest.digest_dir(req.lora_path),
                 reference=read_signature(req.lora_path),
             )
+            self.local[name] = local
+            # Until the first refresh: the start state (what every engine registers).
+            self.slots[name] = Slot(
+                name, local.lora_int_id, local.start_path, 0, local.start_digest, now
+            )
+
+    # --- reading the engines' registry ------------------------------------------------------
+    async def _call(self, engine, method: str, *args):
+        return await slot_publish.call(self.engine_client, engine, method, *args)
+
+    async def _ensure_registered(self) -> None:
+        if self._registered:
+            return
+        start = [
+            {
+                "name": s.name,
+                "lora_int_id": s.lora_int_id,
+                "path": s.start_path,
+                "digest": s.start_digest,
+            }
+            for s in self.local.values()
+        ]
+        for engine in self.engines:
+            await self._call(engine, "art_registry_register", start)
+        self._registered = True
+
+    def _apply(self, snapshot: dict) -> None:
+        for name, rec in snapshot["slots"].items():
+            if name not in self.local:
+                continue  # registered by an API server with other --lora-modules: not ours
+            slot = Slot(**rec)
+            old = self.slots.get(name)
+            self.slots[name] = slot
+            if old is None or old.path != slot.path:
+                self._point_new_requests_at(name, slot.path)
+            if old is None or old.version != slot.version:
+                slot_version_gauge().labels(slot=name).set(slot.version)
+
+    async def refresh(self) -> dict[str, Slot]:
+        """Read engine 0's registry (one utility call) and return it."""
+        await self._ensure_registered()
+        self._apply(await self._call(self.engines[0], "art_registry_snapshot"))
+        return self.slots
+
+    async def engine_views(self) -> list[dict]:
+        """Every engine's registry snapshot (engine order), engine 0's applied here."""
+        await self._ensure_registered()
+        snaps = await asyncio.gather(
+            *(self._call(e, "art_registry_snapshot") for e in self.engines)
+        )
+        self._apply(snaps[0])
+        return list(snaps)
 
     def export_versions(self) -> None:
         gauge = slot_version_gauge()
         for slot in self.slots.values():
             gauge.labels(slot=slot.name).set(slot.version)
 
-    def list(self) -> list[dict]:
-        return [s.public() for s in self.slots.values()]
+    async def list(self) -> list[dict]:
+        snaps = await self.engine_views()
+        out = []
+        for slot in self.slots.values():
+            entry = slot.public()
+            entry["engines"] = [
+                {
+                    "engine": e.dp_rank,
+                    "version": snap["slots"][slot.name]["version"],
+                    "digest": snap["slots"][slot.name]["digest"],
+                }
+                for e, snap in zip(self.engines, snaps, strict=True)
+                if slot.name in snap["slots"]
+            ]
+            out.append(entry)
+        return out
 
-    async def update(self, name: str, path: str, version: int) -> dict:
-        task = asyncio.ensure_future(self._counted_update(name, path, version))
+    # --- updates ------------------------------------------------------------------------------
+    async def update(self, req: UpdateRequest) -> dict:
+        task = asyncio.ensure_future(self._update(req))
         return await asyncio.shield(task)
 
-    async def _counted_update(self, name: str, path: str, version: int) -> dict:
+    async def _note_failure(self, token: str, slot: str | None) -> None:
+        """Count a failed update (on every engine) and end its reservation, if any."""
+        if slot is None or slot not in self.local:
+            self.failed_unattributed += 1
+            return
+        with contextlib.suppress(Exception):  # an engine that died cannot count anything
+            await slot_publish.call_all(
+                self.engine_client, self.engines, "art_finish_update", token, slot, False
+            )
+
+    async def _update(self, req: UpdateRequest) -> dict:
+        token = uuid.uuid4().hex
         try:
-            return await self._update(name, path, version)
-        except UpdateError:
-            slot = self.slots.get(name)
-            if slot is not None:
-                slot.failed_updates += 1
-            else:
-                self.failed_unattributed += 1
+            await self._ensure_registered()
+            return await self._update_locked(req, token)
+        except BaseException:
+            # Also for a bug or a cancellation: never leave a reservation behind.
+            await self._note_failure(token, req.slot)
             raise
 
-    async def _update(self, name: str, path: str, version: int) -> dict:
+    async def _reserve(self, req: UpdateRequest, token: str) -> dict:
+        """Admission on engine 0; waits while another update (any API server) is running."""
+        deadline = time.monotonic() + RESERVE_WAIT_S
+        while True:
+            try:
+                res = await self._call(
+                    self.engines[0],
+                    "art_reserve_update",
+                    token,
+                    req.slot,
+                    req.version,
+                    req.expected_version,
+                    req.operation_id,
+                    req.fingerprint() if req.operation_id is not None else None,
+                )
+            except Exception as exc:
+                raise UpdateError(
+                    503, f"the engine failed to admit the update ({type(exc).__name__}: {exc})"
+                ) from exc
+            if res["ok"] or res["kind"] != "busy":
+                return res
+            if time.monotonic() > deadline:
+                raise UpdateError(
+                    503, f"{res['error']} for more than {RESERVE_WAIT_S:.0f} s; nothing changed"
+                )
+            await asyncio.sleep(_RESERVE_POLL_S)
+
+    async def _update_locked(self, req: UpdateRequest, token: str) -> dict:
         t0 = time.perf_counter()
-        slot = self.slots.get(name)
+        name = req.slot
         if name in self.refused:
             raise UpdateError(400, f"{self.refused[name]}; nothing changed")
-        if slot is None:
-            raise UpdateError(404, f"unknown slot {name!r}; slots: {sorted(self.slots)}")
+        local = self.local.get(name)
+        if local is None:
+            raise UpdateError(404, f"unknown slot {name!r}; slots: {sorted(self.local)}")
+        current = self.slots[name].version
         try:
-            resolved = str(self.paths.resolve(path))
+            resolved = str(self.paths.resolve(req.path))
         except PathRefused as exc:
-            raise UpdateError(
-                403, f"{exc}; slot {name!r} keeps serving version {slot.version}"
-            ) from exc
+            raise UpdateError(403, f"{exc}; slot {name!r} keeps serving version {current}") from exc
         async with self._lock:
-            if version <= slot.version:
-                raise UpdateError(
-                    409,
-                    f"version {version} for slot {name!r} is not newer than "
-                    f"the current version {slot.version}; nothing changed",
-                )
+            admitted = await self._reserve(req, token)
+            if not admitted["ok"]:
+                if admitted["kind"] == "replay":
+                    return {**admitted["response"], "replayed": True}
+                status = 404 if admitted["kind"] == "unknown" else 409
+                raise UpdateError(status, f"{admitted['error']}; nothing changed")
+            current = admitted["version"]
+            keeps = f"slot {name!r} keeps serving version {current}"
             try:
                 files = await asyncio.to_thread(
-                    read_and_validate, resolved, name, slot.reference, self.max_lora_rank
+                    read_and_validate, resolved, name, local.reference, self.max_lora_rank
                 )
             except AdapterError as exc:
+                raise UpdateError(422, f"{exc}; {keeps}") from exc
+            digest = await asyncio.to_thread(
+                adapter_digest.digest_bytes, files.config, files.weights
+            )
+            if req.digest is not None and req.digest != digest:
                 raise UpdateError(
-                    422, f"{exc}; slot {name!r} keeps serving version {slot.version}"
-                ) from exc
+                    422,
+                    f"digest mismatch: the request says {req.digest}, the adapter at {resolved} "
+                    f"is {digest} (a torn or partial export?); {keeps}",
+                )
             t_validated = time.perf_counter()
             try:
                 result = await slot_publish.publish(
                     self.engine_client,
-                    lora_int_id=slot.lora_int_id,
+                    self.engines,
+                    token=token,
+                    lora_int_id=local.lora_int_id,
                     slot=name,
                     files=files,
-                    version=version,
-                    current_version=slot.version,
+                    path=resolved,
+                    digest=digest,
+                    version=req.version,
+                    current_version=current,
                     config=self.staging,
                 )
             except slot_publish.PublishError as exc:
                 raise UpdateError(exc.status, exc.message) from exc
-            slot.version = version
-            slot.path = resolved
-            slot.updated_at = time.time()
-            slot.updates += 1
-            slot.last_update_ms = (time.perf_counter() - t0) * 1000.0
-            self._point_new_requests_at(name, resolved)
-            slot_version_gauge().labels(slot=name).set(version)
-            logger.info(
-                "art update slot=%s version=%d step=%d wait+validate=%.1fms stage=%.1fms "
-                "publish=%.1fms engine_stall=%.2fms",
+            elapsed_ms = (time.perf_counter() - t0) * 1000.0
+            response = {
+                "slot": name,
+                "version": req.version,
+                "previous_version": current,
+                "digest": digest,
+                "operation_id": req.operation_id,
+                "step": result.step,
+                "receipts": result.receipts,
+                "elapsed_ms": elapsed_ms,
+                "engine_ms": result.engine_ms,
+                "stall_ms": result.stall_ms,
+                "resalted_waiting": result.resalted_waiting,
+            }
+            finished = await slot_publish.call_all(
+                self.engine_client,
+                self.engines,
+                "art_finish_update",
+                token,
                 name,
-                version,
+                True,
+                req.operation_id,
+                req.fingerprint() if req.operation_id is not None else None,
+                response,
+                elapsed_ms,
+            )
+            for e, r in zip(self.engines, finished, strict=True):
+                if isinstance(r, BaseException):  # committed; only the bookkeeping failed
+                    logger.warning("art: engine %d could not record update: %s", e.dp_rank, r)
+            self._apply_committed(name, req.version, resolved, digest, elapsed_ms)
+            logger.info(
+                "art update slot=%s version=%d step=%d engines=%d wait+validate=%.1fms "
+                "stage=%.1fms publish=%.1fms engine_stall=%.2fms",
+                name,
+                req.version,
                 result.step,
+                len(self.engines),
                 (t_validated - t0) * 1000,
                 result.stage_ms,
                 (time.perf_counter() - t_validated) * 1000,
                 result.stall_ms,
             )
-            return {
-                "slot": name,
-                "version": version,
-                "step": result.step,
-                "elapsed_ms": slot.last_update_ms,
-                "engine_ms": result.engine_ms,
-                "stall_ms": result.stall_ms,
-                "resalted_waiting": result.resalted_waiting,
-            }
+            return response
+
+    def _apply_committed(self, name, version, path, digest, elapsed_ms) -> None:
+        slot = self.slots[name]
+        slot.version, slot.path, slot.digest = version, path, digest
+        slot.updated_at = time.time()
+        slot.updates += 1
+        slot.last_update_ms = elapsed_ms
+        self._point_new_requests_at(name, path)
+        slot_version_gauge().labels(slot=name).set(version)
 
     def _point_new_requests_at(self, name: str, path: str) -> None:
         """New requests carry the new path (what `/v1/models` shows). The weights never come
         from a request's path after an update: workers serve the committed copy they hold."""
-        requests = self.serving_models.lora_requests
-        requests[name] = compat.replace_lora_path(requests[name], path)
+        requests = self.serving_models.lora_requests if self.serving_models else {}
+        if name in requests and requests[name].lora_path != path:
+            requests[name] = compat.replace_lora_path(requests[name], path)

@@ -15,6 +15,15 @@ Utility methods added to vLLM's `EngineCore`, called from the API server with
    slot are re-salted (`cache_salting`).
 3. `art_abort_lora_update(token)`: drops a staged update.
 
+The slot registry (`engine_core/slot_registry.py`: versions, committed paths, digests, recent
+operation ids) lives here too, so every API server reads the same one
+(`art_registry_register`, `art_registry_snapshot`). With data parallelism the API server runs
+the update as a two-phase commit over every engine: `art_reserve_update` on engine 0 admits it
+(operation-id replay, compare-and-swap, one update per slot at a time across API servers);
+stage on every engine; commit on every engine; `art_revert_lora_update` undoes a commit on an
+engine when another engine failed to commit; `art_finish_update` records the outcome on every
+engine and ends the reservation.
+
 Running requests are neither aborted nor preempted. A token's version is the version of the
 weights that computed it: batches carry the label in force when they were scheduled
 (`batch_stamps`), and a commit is ordered after every batch already launched. Each call
@@ -34,6 +43,7 @@ from typing import Any
 
 from art_vllm_plugin import compat
 from art_vllm_plugin.engine_core import batch_stamps, cache_salting
+from art_vllm_plugin.engine_core.slot_registry import SlotRecord, SlotRegistry
 from art_vllm_plugin.provenance import encode_versions
 
 _MARK = "__art_patched__"
@@ -50,11 +60,22 @@ class StagedInEngine:
 
 
 @dataclass
+class CommittedInEngine:
+    """What a commit replaced in this engine, until the update is finished everywhere."""
+
+    lora_int_id: int
+    previous_version: int
+    previous_record: SlotRecord | None
+
+
+@dataclass
 class EngineSlotState:
     versions: dict[int, int] = field(default_factory=dict)
     updates: int = 0
     failed_commits: int = 0
     staged: dict[str, StagedInEngine] = field(default_factory=dict)
+    committed: dict[str, CommittedInEngine] = field(default_factory=dict)
+    registry: SlotRegistry = field(default_factory=SlotRegistry)
     stalls_ms: deque = field(default_factory=lambda: deque(maxlen=4096))  # stage + commit
     commit_stalls_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -83,22 +104,34 @@ def _stale(state: EngineSlotState, lora_int_id: int, name: str, version: int) ->
 
 
 def art_stage_lora_update(
-    self, token: str, lora_int_id: int, name: str, stage_dir: str, version: int
+    self,
+    token: str,
+    lora_int_id: int,
+    name: str,
+    stage_dir: str,
+    version: int,
+    marker_dir: str | None = None,
 ) -> dict:
+    """`marker_dir`: where this engine's workers leave their markers (one directory per DP
+    engine, since every engine numbers its workers from 0); default `stage_dir`."""
     t0 = time.perf_counter()
     state = _art_state(self)
     if (stale := _stale(state, lora_int_id, name, version)) is not None:
         return stale
     ranks = compat.engine_executor(self).collective_rpc(
-        "art_stage_lora_update", args=(token, lora_int_id, name, stage_dir)
+        "art_stage_lora_update", args=(token, lora_int_id, name, stage_dir, marker_dir)
     )
+    state.committed.clear()  # the previous update is final once the next one starts
     state.staged[token] = StagedInEngine(
         lora_int_id, name, version, list(ranks), time.perf_counter() - t0
     )
     return {"ok": True, "ranks": list(ranks), "stall_ms": (time.perf_counter() - t0) * 1e3}
 
 
-def art_commit_lora_update(self, token: str) -> dict:
+def art_commit_lora_update(
+    self, token: str, path: str | None = None, digest: str | None = None
+) -> dict:
+    """The swap; a registered slot's record gets the committed `path` and `digest`."""
     t0 = time.perf_counter()
     state = _art_state(self)
     staged = state.staged.pop(token, None)
@@ -119,7 +152,14 @@ def art_commit_lora_update(self, token: str) -> dict:
             f"; rank {r['rank']} rollback: {r['error']}" for r in rolled if not r["ok"]
         )
         return {"ok": False, "kind": "commit", "error": errors, "restored": restored}
+    previous_version = state.versions.get(staged.lora_int_id, 0)
     state.versions[staged.lora_int_id] = staged.version
+    previous_record = None
+    if staged.name in state.registry.slots and path is not None:
+        previous_record = state.registry.commit(staged.name, staged.version, path, digest or "")
+    state.committed[token] = CommittedInEngine(
+        staged.lora_int_id, previous_version, previous_record
+    )
     state.updates += 1
     compat.set_engine_weight_label(self, encode_versions(state.versions))
     resalted = cache_salting.resalt_waiting(self, staged.lora_int_id, state.versions)
@@ -137,6 +177,82 @@ def art_commit_lora_update(self, token: str) -> dict:
         "versions": dict(state.versions),
         "resalted_waiting": resalted,
     }
+
+
+def art_revert_lora_update(self, token: str) -> dict:
+    """Undo this engine's commit of `token` because another engine failed to commit it:
+    every worker puts back its previous weights and the registry its previous record."""
+    state = _art_state(self)
+    done = state.committed.pop(token, None)
+    if done is None:
+        return {"ok": True, "restored": False}  # nothing was committed here
+    rolled = compat.engine_executor(self).collective_rpc("art_rollback_lora_update", args=(token,))
+    if done.previous_version:
+        state.versions[done.lora_int_id] = done.previous_version
+    else:
+        state.versions.pop(done.lora_int_id, None)
+    if done.previous_record is not None:
+        state.registry.revert(done.previous_record)
+    state.updates -= 1
+    compat.set_engine_weight_label(self, encode_versions(state.versions))
+    cache_salting.resalt_waiting(self, done.lora_int_id, state.versions)
+    failed = [r for r in rolled if not r["ok"]]
+    return {
+        "ok": not failed,
+        "restored": not failed,
+        "error": "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed),
+    }
+
+
+def art_registry_register(self, slots: list[dict]) -> dict:
+    """Register an API server's start slots (idempotent); returns the registry snapshot."""
+    _art_state(self).registry.register(slots)
+    return art_registry_snapshot(self)
+
+
+def art_registry_snapshot(self) -> dict:
+    return _art_state(self).registry.snapshot()
+
+
+def art_reserve_update(
+    self,
+    token: str,
+    slot: str,
+    version: int,
+    expected_version: int | None,
+    operation_id: str | None,
+    fingerprint: str | None,
+) -> dict:
+    """Engine 0: admit an update (see `SlotRegistry.reserve`)."""
+    return _art_state(self).registry.reserve(
+        token, slot, version, expected_version, operation_id, fingerprint
+    )
+
+
+def art_finish_update(
+    self,
+    token: str,
+    slot: str,
+    ok: bool,
+    operation_id: str | None = None,
+    fingerprint: str | None = None,
+    response: dict | None = None,
+    elapsed_ms: float | None = None,
+) -> bool:
+    """Every engine, once the update ended everywhere: the commit is final (no revert any
+    more), the outcome is recorded and the reservation (engine 0) ends."""
+    state = _art_state(self)
+    state.committed.pop(token, None)
+    state.registry.finish(
+        token,
+        slot,
+        ok=ok,
+        operation_id=operation_id,
+        fingerprint=fingerprint,
+        response=response,
+        elapsed_ms=elapsed_ms,
+    )
+    return True
 
 
 def art_abort_lora_update(self, token: str) -> bool:
@@ -180,6 +296,11 @@ def install(engine_core_cls) -> None:
     engine_core_cls.art_stage_lora_update = art_stage_lora_update
     engine_core_cls.art_commit_lora_update = art_commit_lora_update
     engine_core_cls.art_abort_lora_update = art_abort_lora_update
+    engine_core_cls.art_revert_lora_update = art_revert_lora_update
+    engine_core_cls.art_registry_register = art_registry_register
+    engine_core_cls.art_registry_snapshot = art_registry_snapshot
+    engine_core_cls.art_reserve_update = art_reserve_update
+    engine_core_cls.art_finish_update = art_finish_update
     engine_core_cls.art_test_inject_fault = art_test_inject_fault
     engine_core_cls.art_slot_state = art_slot_state
     cache_salting.install(engine_core_cls, lambda core: _art_state(core).versions)

@@ -41,7 +41,8 @@ from art_vllm_plugin import compat, staging
 _MARK = "__art_patched__"
 _COMMITTED_ATTR = "_art_committed"
 #: Test-only fault hook: set only when the server runs with ART_TEST_HOOKS=1 (see
-#: `art_test_inject_fault`); a commit on the named rank then fails after writing its weights.
+#: `art_test_inject_fault`); a commit on the named rank then fails after writing its weights,
+#: or (kind "stage") the next staging on that rank fails as an engine error.
 TEST_HOOKS_ENV = "ART_TEST_HOOKS"
 
 
@@ -155,8 +156,12 @@ def _to_device(manager, lora_model) -> dict[str, tuple[Any, Any]] | None:
     return out
 
 
-def _stage(worker, staged: StagedUpdate, request, stage_dir: str, rank: int) -> None:
+def _stage(worker, staged: StagedUpdate, request, marker_dir: str, rank: int) -> None:
     try:
+        slots = _slots(worker)
+        if slots.fault == "stage":
+            slots.fault = None
+            raise RuntimeError(f"injected staging failure on rank {rank} (test hook)")
         worker_manager = compat.worker_lora_manager(worker)
         manager = compat.adapter_model_manager(worker_manager)
         model = _ORIGINAL_LOAD["fn"](worker_manager, request)  # the staged files, never cached
@@ -173,7 +178,7 @@ def _stage(worker, staged: StagedUpdate, request, stage_dir: str, rank: int) -> 
         message = f"{kind}\n{staged.error}"
         ok = False
     staged.done.set()
-    staging.mark(stage_dir, rank, ok, message)
+    staging.mark(marker_dir, rank, ok, message)
 
 
 def _stager(worker) -> queue.SimpleQueue:
@@ -196,15 +201,22 @@ def _stager(worker) -> queue.SimpleQueue:
 
 
 def art_stage_lora_update(
-    self, token: str, lora_int_id: int, lora_name: str, stage_dir: str
+    self,
+    token: str,
+    lora_int_id: int,
+    lora_name: str,
+    stage_dir: str,
+    marker_dir: str | None = None,
 ) -> int:
+    """Start staging the adapter in `stage_dir`; the marker goes to `marker_dir` (one per DP
+    engine; default `stage_dir`)."""
     slots = _slots(self)
     slots.undo.clear()  # the previous update is final once the next one starts
     rank = compat.worker_rank(self)
     request = compat.lora_request(lora_name=lora_name, lora_int_id=lora_int_id, lora_path=stage_dir)
     staged = StagedUpdate(lora_int_id)
     slots.staged[token] = staged
-    _stager(self).put((self, staged, request, stage_dir, rank))
+    _stager(self).put((self, staged, request, marker_dir or stage_dir, rank))
     return rank
 
 
@@ -284,7 +296,9 @@ def art_abort_lora_update(self, token: str) -> bool:
 
 
 def art_test_inject_fault(self, kind: str, rank: int) -> bool:
-    """Test-only (ART_TEST_HOOKS=1): the next commit on `rank` fails after its writes."""
+    """Test-only (ART_TEST_HOOKS=1): on worker `rank`, kind "commit": the next commit fails
+    after its writes; kind "stage": the next staging fails (an engine error, not the
+    adapter's)."""
     if os.environ.get(TEST_HOOKS_ENV) != "1":
         return False
     if compat.worker_rank(self) == rank:

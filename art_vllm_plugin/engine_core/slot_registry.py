@@ -1,0 +1,209 @@
+"""The slot registry kept in EngineCore: the one source of truth every API server reads.
+
+Why in EngineCore: vLLM may run several API-server processes (`--api-server-count`, and by
+default one per DP engine). A registry in each of them disagrees as soon as an update goes
+through one: the others report stale versions and validate `slot@N` aliases against them.
+EngineCore outlives and is shared by all of them, so each engine holds one registry (slot
+versions, committed paths, digests, update counters, the recent `operation_id`s) and every
+API server reads it with a utility call. With data parallelism every engine holds an
+identical copy: an update commits on every engine or on none (`api_server/slot_publish.py`).
+
+Engine 0's registry also serialises updates across API servers: an update first *reserves*
+its slot there (`reserve`), which is where `operation_id` replay and `expected_version`
+compare-and-swap are decided atomically (utility calls run one at a time between engine
+steps). A reservation left by an API server that died is taken over after `RESERVATION_TTL_S`.
+
+Plain Python, no vLLM: it is unit-tested directly and used by `engine_core/slot_updates.py`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+
+#: `operation_id`s remembered per slot (the oldest is forgotten first).
+OPERATIONS_PER_SLOT = 512
+#: A reservation older than this belongs to an API server that died mid-update.
+RESERVATION_TTL_S = 900.0
+
+
+@dataclass
+class SlotRecord:
+    name: str
+    lora_int_id: int
+    version: int
+    path: str
+    digest: str
+    updated_at: float
+    updates: int = 0
+    failed_updates: int = 0
+    last_update_ms: float | None = None
+
+
+@dataclass
+class Reservation:
+    token: str
+    slot: str
+    operation_id: str | None
+    fingerprint: str | None
+    since: float
+
+
+@dataclass
+class SlotRegistry:
+    slots: dict[str, SlotRecord] = field(default_factory=dict)
+    #: slot -> operation_id -> (fingerprint, first successful response)
+    operations: dict[str, OrderedDict] = field(default_factory=dict)
+    #: slot -> the update in progress (engine 0 only; at most one at a time)
+    reservations: dict[str, Reservation] = field(default_factory=dict)
+    #: bumped on every change a reader could see
+    generation: int = 0
+
+    def register(self, slots: list[dict]) -> None:
+        """Add the slots an API server started with; slots already known are kept as they are
+        (every API server registers the same `--lora-modules`, the first one wins)."""
+        now = time.time()
+        for s in slots:
+            if s["name"] not in self.slots:
+                self.slots[s["name"]] = SlotRecord(
+                    name=s["name"],
+                    lora_int_id=int(s["lora_int_id"]),
+                    version=0,
+                    path=s["path"],
+                    digest=s["digest"],
+                    updated_at=now,
+                )
+                self.operations[s["name"]] = OrderedDict()
+                self.generation += 1
+
+    def snapshot(self) -> dict:
+        return {
+            "generation": self.generation,
+            "slots": {name: asdict(rec) for name, rec in self.slots.items()},
+        }
+
+    def version(self, slot: str) -> int:
+        rec = self.slots.get(slot)
+        return rec.version if rec is not None else 0
+
+    def versions_by_id(self) -> dict[int, int]:
+        return {r.lora_int_id: r.version for r in self.slots.values() if r.version}
+
+    # --- engine 0: admission of an update -------------------------------------------------
+    def reserve(
+        self,
+        token: str,
+        slot: str,
+        version: int,
+        expected_version: int | None,
+        operation_id: str | None,
+        fingerprint: str | None,
+        now: float | None = None,
+    ) -> dict:
+        """Admit an update of `slot` or say why not: `busy` (another update of the slot is in
+        progress: retry shortly), `replay` (this operation already succeeded: its response),
+        `conflict` (operation id reused with another body, or expected_version mismatch),
+        `stale` (version not newer), `unknown` slot."""
+        now = time.time() if now is None else now
+        rec = self.slots.get(slot)
+        if rec is None:
+            return {"ok": False, "kind": "unknown", "error": f"unknown slot {slot!r}"}
+        # One update at a time per deployment, whatever the slot (as within one API server):
+        # workers keep one update's undo, so a second update must not interleave.
+        held = next(iter(self.reservations.values()), None)
+        if held is not None and now - held.since > RESERVATION_TTL_S:
+            self.reservations.clear()
+            held = None
+        if operation_id is not None:
+            seen = self.operations[slot].get(operation_id)
+            if seen is not None:
+                first_fp, response = seen
+                if first_fp != fingerprint:
+                    return _conflict_reused(operation_id, slot)
+                return {"ok": False, "kind": "replay", "response": copy.deepcopy(response)}
+            if held is not None and held.slot == slot and held.operation_id == operation_id:
+                if held.fingerprint != fingerprint:
+                    return _conflict_reused(operation_id, slot)
+                return {"ok": False, "kind": "busy", "error": "the same operation is in progress"}
+        if held is not None:
+            return {
+                "ok": False,
+                "kind": "busy",
+                "error": f"another update (slot {held.slot!r}) is in progress",
+            }
+        if expected_version is not None and expected_version != rec.version:
+            return {
+                "ok": False,
+                "kind": "conflict",
+                "error": f"expected_version {expected_version} for slot {slot!r} but the "
+                f"current version is {rec.version}",
+                "version": rec.version,
+            }
+        if version <= rec.version:
+            return {
+                "ok": False,
+                "kind": "stale",
+                "error": f"version {version} for slot {slot!r} is not newer than the current "
+                f"version {rec.version}",
+                "version": rec.version,
+            }
+        self.reservations[slot] = Reservation(token, slot, operation_id, fingerprint, now)
+        return {"ok": True, "version": rec.version}
+
+    def release(self, token: str) -> None:
+        for slot, held in list(self.reservations.items()):
+            if held.token == token:
+                del self.reservations[slot]
+
+    # --- every engine: the committed state -------------------------------------------------
+    def commit(self, slot: str, version: int, path: str, digest: str) -> SlotRecord:
+        """Record a committed version; returns the previous record (for a revert)."""
+        rec = self.slots[slot]
+        previous = copy.copy(rec)
+        rec.version, rec.path, rec.digest = version, path, digest
+        rec.updated_at = time.time()
+        rec.updates += 1
+        self.generation += 1
+        return previous
+
+    def revert(self, previous: SlotRecord) -> None:
+        self.slots[previous.name] = previous
+        self.generation += 1
+
+    def finish(
+        self,
+        token: str,
+        slot: str,
+        *,
+        ok: bool,
+        operation_id: str | None = None,
+        fingerprint: str | None = None,
+        response: dict | None = None,
+        elapsed_ms: float | None = None,
+    ) -> None:
+        """End of an update on this engine: remember a successful operation, count a failed
+        one, drop the reservation."""
+        rec = self.slots.get(slot)
+        if rec is not None:
+            if ok:
+                rec.last_update_ms = elapsed_ms
+                if operation_id is not None:
+                    ops = self.operations[slot]
+                    ops[operation_id] = (fingerprint, copy.deepcopy(response))
+                    while len(ops) > OPERATIONS_PER_SLOT:
+                        ops.popitem(last=False)
+            else:
+                rec.failed_updates += 1
+            self.generation += 1
+        self.release(token)
+
+
+def _conflict_reused(operation_id: str, slot: str) -> dict:
+    return {
+        "ok": False,
+        "kind": "conflict",
+        "error": f"operation_id {operation_id!r} was already used for slot {slot!r} with a "
+        "different body (slot, path, version, expected_version, digest)",
+    }

@@ -1,0 +1,104 @@
+"""EngineCore's slot registry: admission (replay, compare-and-swap, one update at a time),
+committed state, revert, and the bounded operation log.
+
+The registry is plain Python (it runs inside EngineCore); the real-server behaviour built on
+it is tested in `tests/art_vllm_plugin/api_server/test_update_contract.py` and
+`test_data_parallel.py`.
+"""
+
+from __future__ import annotations
+
+from art_vllm_plugin.engine_core import slot_registry
+from art_vllm_plugin.engine_core.slot_registry import SlotRegistry
+
+D0 = "xxh3-128:" + "0" * 32
+D1 = "xxh3-128:" + "1" * 32
+
+
+def registry() -> SlotRegistry:
+    r = SlotRegistry()
+    r.register([{"name": "policy", "lora_int_id": 1, "path": "/a", "digest": D0}])
+    return r
+
+
+def finish_ok(r, token, version, op=None, fp=None):
+    r.commit("policy", version, f"/v{version}", D1)
+    r.finish(token, "policy", ok=True, operation_id=op, fingerprint=fp, response={"v": version})
+
+
+def test_register_is_idempotent_and_first_registration_wins():
+    r = registry()
+    finish_ok(r, "t1", 1)
+    r.register([{"name": "policy", "lora_int_id": 1, "path": "/other", "digest": D1}])
+    snap = r.snapshot()["slots"]["policy"]
+    assert (snap["version"], snap["path"], snap["digest"]) == (1, "/v1", D1)
+
+
+def test_same_operation_replays_the_first_response_and_another_body_conflicts():
+    r = registry()
+    assert r.reserve("t1", "policy", 1, None, "op", "body-1")["ok"]
+    finish_ok(r, "t1", 1, "op", "body-1")
+    assert r.reserve("t2", "policy", 1, None, "op", "body-1") == {
+        "ok": False,
+        "kind": "replay",
+        "response": {"v": 1},
+    }
+    res = r.reserve("t3", "policy", 2, None, "op", "body-2")
+    assert res["kind"] == "conflict" and "different body" in res["error"]
+    assert not r.reservations  # neither held anything
+
+
+def test_expected_version_mismatch_names_both_versions():
+    r = registry()
+    assert r.reserve("t1", "policy", 1, 0, None, None)["ok"]
+    finish_ok(r, "t1", 1)
+    res = r.reserve("t2", "policy", 2, 0, None, None)
+    assert res["kind"] == "conflict"
+    assert "expected_version 0" in res["error"] and "current version is 1" in res["error"]
+
+
+def test_one_update_at_a_time_and_a_retry_of_it_waits():
+    r = registry()
+    r.register([{"name": "other", "lora_int_id": 2, "path": "/o", "digest": D0}])
+    assert r.reserve("t1", "policy", 1, 0, "op", "fp")["ok"]
+    assert r.reserve("t2", "policy", 1, 0, "op2", "fp")["kind"] == "busy"
+    assert r.reserve("t3", "other", 1, None, None, None)["kind"] == "busy"  # any slot
+    assert r.reserve("t4", "policy", 1, 0, "op", "fp")["kind"] == "busy"  # same op: wait
+    finish_ok(r, "t1", 1, "op", "fp")
+    assert r.reserve("t4", "policy", 1, 0, "op", "fp")["kind"] == "replay"
+    # the racing client with the same expected_version loses once the winner finished
+    assert r.reserve("t2", "policy", 1, 0, "op2", "fp")["kind"] == "conflict"
+
+
+def test_a_reservation_of_a_dead_api_server_expires():
+    r = registry()
+    assert r.reserve("t1", "policy", 1, None, None, None, now=1000.0)["ok"]
+    later = 1000.0 + slot_registry.RESERVATION_TTL_S + 1
+    assert r.reserve("t2", "policy", 1, None, None, None, now=later)["ok"]
+
+
+def test_failed_update_is_counted_and_releases_its_reservation():
+    r = registry()
+    assert r.reserve("t1", "policy", 1, None, "op", "fp")["ok"]
+    r.finish("t1", "policy", ok=False)
+    assert r.slots["policy"].failed_updates == 1 and not r.reservations
+    # a failed operation is not remembered: the same id may be retried
+    assert r.reserve("t2", "policy", 1, None, "op", "fp")["ok"]
+
+
+def test_revert_restores_the_previous_record():
+    r = registry()
+    previous = r.commit("policy", 3, "/v3", D1)
+    r.revert(previous)
+    snap = r.snapshot()["slots"]["policy"]
+    assert (snap["version"], snap["path"], snap["digest"], snap["updates"]) == (0, "/a", D0, 0)
+
+
+def test_operation_log_keeps_the_last_ids_per_slot():
+    r = registry()
+    n = slot_registry.OPERATIONS_PER_SLOT
+    for v in range(1, n + 2):
+        assert r.reserve(f"t{v}", "policy", v, None, f"op{v}", "fp")["ok"]
+        finish_ok(r, f"t{v}", v, f"op{v}", "fp")
+    ops = r.operations["policy"]
+    assert len(ops) == n and "op1" not in ops and f"op{n + 1}" in ops
