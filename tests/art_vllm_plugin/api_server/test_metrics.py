@@ -81,7 +81,7 @@ def test_snapshot_reports_engine_activity(server):
     generate(server)
     snap = get(server, "/art/metrics").json()
     assert set(snap) >= FIELDS
-    assert snap["schema_version"] == 2
+    assert snap["schema_version"] == 3
     assert snap["max_num_seqs"] == MAX_NUM_SEQS and snap["max_num_batched_tokens"] > 0
     assert snap["num_waiting_for_capacity"] == 0 and snap["num_waiting_deferred"] == 0
     assert snap["idle"] is True  # every request above has finished
