@@ -11,7 +11,9 @@ top-k MoE layers of `SequentialMLP` experts elsewhere, and copies the HF weights
 - HF's router is softmax over all experts, top-k, then renormalized when `norm_topk_prob`:
   that is Megatron's top-k on the logits followed by a softmax over the k (`pre_softmax`
   off), so the same experts and weights; without `norm_topk_prob` it is `pre_softmax` on.
-Tensor and expert parallel size 1 only (what the cross-environment parity check runs).
+Pipeline and expert parallelism are supported (a stage loads its own layers, found by their
+global `layer_number`; an expert-parallel rank loads its own experts); tensor parallel size 1
+only.
 """
 
 from __future__ import annotations
@@ -87,11 +89,17 @@ class MoeShape:
 
 
 def build_moe_gpt(
-    shape: MoeShape, *, params_dtype: torch.dtype = torch.float32, max_sequence_length: int = 256
+    shape: MoeShape,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    max_sequence_length: int = 256,
+    **config_overrides,
 ):
-    """A local-spec `GPTModel` with `shape`'s dense/MoE layer pattern on CPU (TP = EP = 1);
-    Megatron's parallel state must be set."""
+    """A local-spec `GPTModel` with `shape`'s dense/MoE layer pattern on CPU, for this rank's
+    pipeline stage; Megatron's parallel state must be set. `config_overrides` go to the
+    `TransformerConfig` (parallel sizes, recompute, `moe_enable_routing_replay`, ...)."""
     import torch.nn.functional as F
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -132,9 +140,12 @@ def build_moe_gpt(
         moe_aux_loss_coeff=0.0,
         moe_router_load_balancing_type="none",
         moe_token_dispatcher_type="alltoall",
+        **config_overrides,
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     return GPTModel(
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         config=config,
         transformer_layer_spec=spec,
         vocab_size=shape.vocab_size,
@@ -186,26 +197,43 @@ def megatron_moe_state_from_hf(
     return out
 
 
+def _global_name(model: torch.nn.Module, name: str, experts_offset: int) -> str:
+    """The TP = PP = EP = 1 name of this rank's parameter `name` (stage-local layer index ->
+    global layer, local expert index -> global expert)."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        layer = model.decoder.layers[int(parts[2])]
+        parts[2] = str(layer.layer_number - 1)
+        if "local_experts" in parts:
+            at = parts.index("local_experts") + 1
+            parts[at] = str(int(parts[at]) + experts_offset)
+    return ".".join(parts)
+
+
 def load_hf_moe_weights(model: torch.nn.Module, model_dir: str | Path, shape: MoeShape) -> None:
-    """Copy the HF checkpoint's weights into `model`; every Megatron parameter must be set."""
+    """Copy the HF checkpoint's weights into this rank's `model` (its pipeline stage, its
+    expert-parallel share of the experts); every Megatron parameter must be set."""
     from megatron.core import parallel_state
 
-    if (
-        parallel_state.get_tensor_model_parallel_world_size() != 1
-        or parallel_state.get_expert_model_parallel_world_size() != 1
-    ):
-        raise ValueError(f"{model_dir}: the MoE mapping supports TP = EP = 1 only")
+    if parallel_state.get_tensor_model_parallel_world_size() != 1:
+        raise ValueError(f"{model_dir}: the MoE mapping supports TP = 1 only")
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    if shape.num_experts % ep_size:
+        raise ValueError(f"{model_dir}: {shape.num_experts} experts do not split over EP={ep_size}")
+    offset = parallel_state.get_expert_model_parallel_rank() * (shape.num_experts // ep_size)
     state = megatron_moe_state_from_hf(_read_safetensors(Path(model_dir)), shape)
-    params = dict(model.named_parameters())
-    missing, unset = sorted(set(state) - set(params)), sorted(set(params) - set(state))
+    params = {_global_name(model, n, offset): p for n, p in model.named_parameters()}
+    unset = sorted(set(params) - set(state))
+    whole = ep_size == 1 and parallel_state.get_pipeline_model_parallel_world_size() == 1
+    missing = sorted(set(state) - set(params)) if whole else []
     if missing or unset:
         raise KeyError(
             f"{model_dir}: HF -> Megatron mapping mismatch: no Megatron parameter for "
             f"{missing[:3]}, no HF weight for {unset[:3]}"
         )
     with torch.no_grad():
-        for name, value in state.items():
-            target = params[name]
+        for name, target in params.items():
+            value = state[name]
             if target.shape != value.shape:
                 raise ValueError(
                     f"{model_dir}: {name} is {tuple(value.shape)} from HF, "

@@ -16,6 +16,14 @@ sees exactly `tokens * topk` assignments and no duplicate (token, expert) pair. 
 
 Placements say where a trajectory's tokens go (row, start, length, first source token), so the
 same writer serves a left/right padded batch and prefix-tree packed rows.
+
+Multi-turn: a trajectory's routes may arrive as a chain of segments, one per turn (a client
+that already holds the earlier turns' rows asks the server only for the new ones). `chain_routes`
+checks that each segment's token ids are the trajectory's at its position (a segment from
+another conversation or a re-tokenized prompt is refused, naming the trajectory and position),
+that segments do not overlap, and returns a `RouteChain` that collation takes in place of an
+array: rows no segment covers get the dummy route and padding_mask True. The output dtype is
+the widest of all segments' dtypes, decided from the dtypes alone (no pass over the values).
 """
 
 from __future__ import annotations
@@ -73,6 +81,103 @@ class CollatedRoutes:
     padding_mask: torch.Tensor
 
 
+@dataclass(frozen=True)
+class RouteSegment:
+    """Routes of one turn: `rows[i]` is the route of trajectory token `start + i`.
+    `token_ids` (same length as `rows`) are the ids the server computed those rows for."""
+
+    start: int
+    rows: np.ndarray | torch.Tensor
+    token_ids: np.ndarray | Sequence[int] | None = None
+
+
+@dataclass(frozen=True)
+class RouteChain:
+    """A trajectory's validated, sorted, non-overlapping segments (`chain_routes`)."""
+
+    length: int  # the trajectory's token count
+    segments: tuple[tuple[int, np.ndarray], ...]  # (start, [n, layers, topk]) by start
+
+    @property
+    def dtypes(self) -> list[np.dtype]:
+        return [rows.dtype for _, rows in self.segments]
+
+    @property
+    def covered(self) -> int:
+        """Number of tokens that have a captured route."""
+        return sum(len(rows) for _, rows in self.segments)
+
+
+def chain_routes(
+    trajectory: int,
+    token_ids: np.ndarray | Sequence[int],
+    segments: Sequence[RouteSegment],
+    *,
+    num_layers: int,
+    topk: int,
+) -> RouteChain:
+    """Check a trajectory's route segments against its tokens and chain them.
+
+    Args:
+        trajectory: the trajectory's index, for error messages.
+        token_ids: the trajectory's token ids (all turns).
+        segments: the turns' routes, in any order; a segment without `token_ids` is placed by
+            `start` alone.
+
+    Raises:
+        RouteValidationError: naming the trajectory, for a segment outside the trajectory, a
+            segment whose token ids differ from the trajectory's (with the first position that
+            differs), a wrong shape or dtype, or two segments covering the same position.
+    """
+    tokens = np.asarray(token_ids)
+    length = len(tokens)
+    checked: list[tuple[int, np.ndarray]] = []
+    for number, segment in enumerate(segments):
+        what = f"trajectory {trajectory} segment {number} (start {segment.start})"
+        rows = _as_numpy(segment.rows, trajectory)
+        _check_array(rows, num_layers, topk, what)
+        start, n = int(segment.start), rows.shape[0]
+        if start < 0 or start + n > length:
+            raise RouteValidationError(
+                f"{what}: rows for positions [{start}, {start + n}) outside the trajectory's "
+                f"{length} tokens"
+            )
+        if segment.token_ids is not None:
+            ids = np.asarray(segment.token_ids)
+            if ids.shape != (n,):
+                raise RouteValidationError(
+                    f"{what}: {ids.shape[0] if ids.ndim else 0} token ids for {n} route rows"
+                )
+            differ = np.flatnonzero(ids != tokens[start : start + n])
+            if differ.size:
+                at = start + int(differ[0])
+                raise RouteValidationError(
+                    f"{what}: token ids do not align at position {at}: the segment has "
+                    f"{int(ids[differ[0]])}, the trajectory has {int(tokens[at])}"
+                )
+        if n:
+            checked.append((start, rows))
+    checked.sort(key=lambda item: item[0])
+    for (a_start, a_rows), (b_start, _) in itertools.pairwise(checked):
+        if b_start < a_start + len(a_rows):
+            raise RouteValidationError(
+                f"trajectory {trajectory}: segments starting at {a_start} and {b_start} both "
+                f"cover position {b_start}"
+            )
+    return RouteChain(length=length, segments=tuple(checked))
+
+
+def _check_array(array: np.ndarray, num_layers: int, topk: int, what: str) -> None:
+    if array.dtype not in _RANK:
+        raise RouteValidationError(
+            f"{what}: routes dtype {array.dtype} is not one of uint8, int16, uint16, int32"
+        )
+    if array.ndim != 3 or array.shape[1:] != (num_layers, topk):
+        raise RouteValidationError(
+            f"{what}: routes shape {tuple(array.shape)} is not [tokens, {num_layers}, {topk}]"
+        )
+
+
 def _as_numpy(array: np.ndarray | torch.Tensor, index: int) -> np.ndarray:
     if isinstance(array, torch.Tensor):
         if array.device.type != "cpu":
@@ -88,43 +193,50 @@ def _as_numpy(array: np.ndarray | torch.Tensor, index: int) -> np.ndarray:
     )
 
 
+Segments = tuple[tuple[int, np.ndarray], ...]
+
+
 def _validate(
-    routes: Sequence[np.ndarray | torch.Tensor | None],
+    routes: Sequence[np.ndarray | torch.Tensor | RouteChain | None],
     token_counts: Sequence[int],
     num_layers: int,
     topk: int,
-) -> tuple[list[np.ndarray | None], np.dtype]:
+) -> tuple[list[Segments], np.dtype]:
     """Check every trajectory's routes (shape, dtype, length) from metadata only, and pick the
-    output dtype from the dtypes alone: promotion never needs a scan of the values."""
+    output dtype from the dtypes alone: promotion never needs a scan of the values.
+    Returns each trajectory's `(start, rows)` segments, sorted and non-overlapping."""
     if len(routes) != len(token_counts):
         raise RouteValidationError(
             f"{len(routes)} route arrays for {len(token_counts)} trajectories (token counts)"
         )
-    arrays: list[np.ndarray | None] = []
+    segments: list[Segments] = []
     rank = 0
     for index, (array, count) in enumerate(zip(routes, token_counts, strict=True)):
         if array is None:
-            arrays.append(None)
+            segments.append(())
+            continue
+        if isinstance(array, RouteChain):
+            if array.length != count:
+                raise RouteValidationError(
+                    f"trajectory {index}: its route chain was built for {array.length} tokens, "
+                    f"the trajectory has {count}"
+                )
+            for dtype in array.dtypes:
+                rank = max(rank, _RANK[dtype])
+            for _, rows in array.segments:  # a chain from another model shape
+                _check_array(rows, num_layers, topk, f"trajectory {index}")
+            segments.append(array.segments)
             continue
         array = _as_numpy(array, index)
-        if array.dtype not in _RANK:
-            raise RouteValidationError(
-                f"trajectory {index}: routes dtype {array.dtype} is not one of uint8, int16, "
-                "uint16, int32"
-            )
-        if array.ndim != 3 or array.shape[1:] != (num_layers, topk):
-            raise RouteValidationError(
-                f"trajectory {index}: routes shape {tuple(array.shape)} is not "
-                f"[tokens, {num_layers}, {topk}]"
-            )
+        _check_array(array, num_layers, topk, f"trajectory {index}")
         if array.shape[0] > count:
             raise RouteValidationError(
                 f"trajectory {index}: routes cover {array.shape[0]} tokens but the trajectory "
                 f"has {count}"
             )
         rank = max(rank, _RANK[array.dtype])
-        arrays.append(array)
-    return arrays, _OUTPUT[rank]
+        segments.append(((0, array),))
+    return segments, _OUTPUT[rank]
 
 
 def _row_segments(
@@ -161,7 +273,7 @@ def _row_segments(
 
 
 def collate_routes(
-    routes: Sequence[np.ndarray | torch.Tensor | None],
+    routes: Sequence[np.ndarray | torch.Tensor | RouteChain | None],
     token_counts: Sequence[int],
     placements: Sequence[RoutePlacement],
     *,
@@ -176,8 +288,10 @@ def collate_routes(
 
     Args:
         routes: per trajectory, `[n_i, layers, topk]` with `n_i <= token_counts[i]` (uint8,
-            int16, uint16 or int32; a mixed batch is promoted), or None if none were captured.
-            Tokens past `n_i` (an uncaptured suffix) get the dummy route and padding_mask True.
+            int16, uint16 or int32; a mixed batch is promoted), a `RouteChain` of several turns'
+            segments (`chain_routes`), or None if none were captured. Tokens no route covers
+            (an uncaptured suffix, a gap between turns) get the dummy route and padding_mask
+            True.
         token_counts: each trajectory's token count, to validate `n_i` and placements against.
         placements: where each trajectory's tokens go; placements in a row must not overlap.
         out: buffers from an earlier call to write into instead of allocating (their first
@@ -185,7 +299,7 @@ def collate_routes(
             of a fresh 0.5 GB tensor cost about 5x the copy itself (`bench/route_collation.py`),
             so a trainer that keeps the buffer across steps pays only the copy.
     """
-    arrays, dtype = _validate(routes, token_counts, num_layers, topk)
+    segments, dtype = _validate(routes, token_counts, num_layers, topk)
     rows = _row_segments(placements, token_counts, batch, seq_len)
     out_routes, mask = _output_buffers(out, dtype, batch, seq_len, num_layers, topk)
     out_np, mask_np = out_routes.numpy(), mask.numpy()
@@ -207,18 +321,22 @@ def collate_routes(
         cursor = 0
         for p in row:
             fill_dummy(row_index, cursor, p.start)
-            array = arrays[p.trajectory]
-            available = (
-                0 if array is None else max(0, min(p.length, array.shape[0] - p.source_start))
-            )
-            if available:
+            # Source tokens [p.source_start, end) go to positions offset by `shift`.
+            shift, end = p.start - p.source_start, p.source_start + p.length
+            at = p.source_start  # next source token to write
+            for seg_start, rows_ in segments[p.trajectory]:
+                lo, hi = max(seg_start, at), min(seg_start + len(rows_), end)
+                if hi <= lo:
+                    continue
+                fill_dummy(row_index, at + shift, lo + shift)
                 np.copyto(
-                    out_np[row_index, p.start : p.start + available],
-                    array[p.source_start : p.source_start + available],
+                    out_np[row_index, lo + shift : hi + shift],
+                    rows_[lo - seg_start : hi - seg_start],
                     casting="safe",
                 )
-                mask_np[row_index, p.start : p.start + available] = False
-            fill_dummy(row_index, p.start + available, p.start + p.length)
+                mask_np[row_index, lo + shift : hi + shift] = False
+                at = hi
+            fill_dummy(row_index, at + shift, end + shift)
             cursor = p.start + p.length
         fill_dummy(row_index, cursor, seq_len)
     return CollatedRoutes(routes=out_routes, padding_mask=mask)
@@ -257,7 +375,7 @@ def _output_buffers(
 
 
 def collate_padded_routes(
-    routes: Sequence[np.ndarray | torch.Tensor | None],
+    routes: Sequence[np.ndarray | torch.Tensor | RouteChain | None],
     token_counts: Sequence[int],
     *,
     seq_len: int,

@@ -2,13 +2,17 @@
 distinct dummy route 0..topk-1 with padding_mask True, dtypes promote without a scan, and bad
 input is refused naming the trajectory."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
 from art_megatron_ext.routing.collate import (
     RoutePlacement,
+    RouteSegment,
     RouteValidationError,
+    chain_routes,
     collate_padded_routes,
     collate_routes,
 )
@@ -179,3 +183,114 @@ def test_a_buffer_that_does_not_fit_is_refused():
     wide = _routes(rng, [2], np.int16)
     with pytest.raises(RouteValidationError, match="int16 routes"):
         collate_padded_routes(wide, [2], seq_len=6, num_layers=LAYERS, topk=TOPK, out=small)
+
+
+# --- Multi-turn chains of segments -----------------------------------------------------------
+
+
+def _turns(rng, tokens, cuts, dtypes):
+    """Segments covering tokens[cut_i:cut_{i+1}] with the given dtypes (token ids attached)."""
+    out = []
+    for (lo, hi), dtype in zip(itertools.pairwise(cuts), dtypes, strict=True):
+        rows = rng.integers(2, 8, size=(hi - lo, LAYERS, TOPK)).astype(dtype)
+        out.append(RouteSegment(start=lo, rows=rows, token_ids=tokens[lo:hi]))
+    return out
+
+
+def test_chain_of_turns_lands_in_place_and_gaps_are_masked():
+    rng = np.random.default_rng(20)
+    tokens = rng.integers(0, 100, 12)
+    first, second = _turns(rng, tokens, [0, 5, 9], [np.uint8, np.uint8])
+    # turn 2's rows arrive before turn 1's; positions 9..11 were never captured
+    chain = chain_routes(0, tokens, [second, first], num_layers=LAYERS, topk=TOPK)
+    out = collate_padded_routes([chain], [12], seq_len=14, num_layers=LAYERS, topk=TOPK)
+    np.testing.assert_array_equal(out.routes[0, :5].numpy(), first.rows)
+    np.testing.assert_array_equal(out.routes[0, 5:9].numpy(), second.rows)
+    assert _is_dummy(out.routes[0, 9:])
+    assert out.padding_mask[0].tolist() == [False] * 9 + [True] * 5
+
+
+def test_a_gap_between_turns_is_masked_not_shifted():
+    rng = np.random.default_rng(21)
+    tokens = rng.integers(0, 100, 10)
+    first, _, third = _turns(rng, tokens, [0, 3, 6, 10], [np.uint8] * 3)
+    chain = chain_routes(4, tokens, [first, third], num_layers=LAYERS, topk=TOPK)
+    out = collate_padded_routes(
+        [chain], [10], seq_len=10, num_layers=LAYERS, topk=TOPK, padding_side="left"
+    )
+    np.testing.assert_array_equal(out.routes[0, :3].numpy(), first.rows)
+    assert _is_dummy(out.routes[0, 3:6])
+    np.testing.assert_array_equal(out.routes[0, 6:].numpy(), third.rows)
+    assert out.padding_mask[0].tolist() == [False] * 3 + [True] * 3 + [False] * 4
+
+
+def test_chain_promotes_to_the_widest_segment_dtype_from_dtypes_alone():
+    rng = np.random.default_rng(22)
+    tokens = rng.integers(0, 100, 8)
+    segments = _turns(rng, tokens, [0, 4, 8], [np.uint8, np.uint16])
+    chain = chain_routes(0, tokens, segments, num_layers=LAYERS, topk=TOPK)
+    other = _routes(rng, [3])[0]  # a plain uint8 array beside it
+    out = collate_padded_routes([chain, other], [8, 3], seq_len=8, num_layers=LAYERS, topk=TOPK)
+    assert out.routes.dtype == torch.int32
+    np.testing.assert_array_equal(out.routes[0, 4:].numpy(), segments[1].rows)
+    np.testing.assert_array_equal(out.routes[1, :3].numpy(), other)
+
+
+def test_chain_in_packed_placements_takes_the_placed_slice():
+    rng = np.random.default_rng(23)
+    tokens = rng.integers(0, 100, 9)
+    segments = _turns(rng, tokens, [0, 4, 9], [np.uint8, np.uint8])
+    chain = chain_routes(0, tokens, segments, num_layers=LAYERS, topk=TOPK)
+    full = np.concatenate([s.rows for s in segments])
+    # tokens [2, 7) of the trajectory at positions [1, 6) of row 0 (a placement straddling turns)
+    placement = RoutePlacement(trajectory=0, row=0, start=1, length=5, source_start=2)
+    out = collate_routes(
+        [chain], [9], [placement], batch=1, seq_len=8, num_layers=LAYERS, topk=TOPK
+    )
+    np.testing.assert_array_equal(out.routes[0, 1:6].numpy(), full[2:7])
+    assert out.padding_mask[0].tolist() == [True] + [False] * 5 + [True] * 2
+
+
+def test_chain_refuses_token_ids_that_do_not_align():
+    rng = np.random.default_rng(24)
+    tokens = rng.integers(0, 100, 8)
+    first, second = _turns(rng, tokens, [0, 4, 8], [np.uint8, np.uint8])
+    wrong = second.token_ids.copy()
+    wrong[2] += 1
+    bad = RouteSegment(start=4, rows=second.rows, token_ids=wrong)
+    with pytest.raises(RouteValidationError, match=r"trajectory 7 segment 1 .*position 6"):
+        chain_routes(7, tokens, [first, bad], num_layers=LAYERS, topk=TOPK)
+    shifted = RouteSegment(start=3, rows=second.rows, token_ids=second.token_ids)
+    with pytest.raises(RouteValidationError, match=r"trajectory 7 segment 0 .*do not align"):
+        chain_routes(7, tokens, [shifted], num_layers=LAYERS, topk=TOPK)
+
+
+@pytest.mark.parametrize(
+    ("segment", "match"),
+    [
+        (RouteSegment(start=6, rows=np.zeros((3, LAYERS, TOPK), np.uint8)), r"\[6, 9\) outside"),
+        (RouteSegment(start=-1, rows=np.zeros((1, LAYERS, TOPK), np.uint8)), "outside"),
+        (RouteSegment(start=0, rows=np.zeros((2, LAYERS, 3), np.uint8)), "shape"),
+        (RouteSegment(start=0, rows=np.zeros((2, LAYERS, TOPK), np.int64)), "dtype int64"),
+        (
+            RouteSegment(start=0, rows=np.zeros((2, LAYERS, TOPK), np.uint8), token_ids=[1]),
+            "1 token ids for 2 route rows",
+        ),
+    ],
+)
+def test_chain_refuses_bad_segments_naming_the_trajectory(segment, match):
+    with pytest.raises(RouteValidationError, match=match):
+        chain_routes(3, np.arange(8), [segment], num_layers=LAYERS, topk=TOPK)
+
+
+def test_chain_refuses_overlapping_segments():
+    a = RouteSegment(start=0, rows=np.zeros((4, LAYERS, TOPK), np.uint8))
+    b = RouteSegment(start=3, rows=np.zeros((2, LAYERS, TOPK), np.uint8))
+    with pytest.raises(RouteValidationError, match=r"trajectory 2: .*both cover position 3"):
+        chain_routes(2, np.arange(8), [b, a], num_layers=LAYERS, topk=TOPK)
+
+
+def test_chain_for_another_length_is_refused():
+    chain = chain_routes(0, np.arange(5), [], num_layers=LAYERS, topk=TOPK)
+    with pytest.raises(RouteValidationError, match="built for 5 tokens, the trajectory has 6"):
+        collate_padded_routes([chain], [6], seq_len=6, num_layers=LAYERS, topk=TOPK)

@@ -102,7 +102,7 @@ def _replay_worker(rank: int, world_size: int, groups) -> dict:
         expected_counts = [m[real_sm].sum(0).float() for m in recorded_maps]
 
         # 2. Replay on the same weights: same outputs and gradients on real tokens.
-        with replaying_routes(collated.routes, config):
+        with replaying_routes(collated.routes, config, model=layers):
             out_rep, grads_rep, counts_rep = forward_backward(collated.padding_mask)
         out["forward_diff"] = float((out_rep - out_rec)[real.t()].abs().max())
         out["grad_diff"] = max(
@@ -116,6 +116,12 @@ def _replay_worker(rank: int, world_size: int, groups) -> dict:
         out["padding_rows_dummy"] = all(bool((m[~real_sm] == dummy).all()) for m in maps)
         out["counts_match_real_only"] = all(
             torch.equal(c, e) for c, e in zip(counts_rep, expected_counts, strict=True)
+        )
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        megatron_method = TopKRouter.__dict__["_apply_expert_bias"]
+        out["bias_fix_scoped"] = megatron_method.__module__ == TopKRouter.__module__ and all(
+            "_apply_expert_bias" not in layer.router.__dict__ for layer in layers
         )
         out["actions_cleared"] = all(
             i.router_replay_action is None and i.target_topk_idx is None
@@ -132,14 +138,14 @@ def _replay_worker(rank: int, world_size: int, groups) -> dict:
             not torch.equal(m[real_sm], r[real_sm])
             for m, r in zip(maps, recorded_maps, strict=True)
         )
-        with replaying_routes(collated.routes, config):
+        with replaying_routes(collated.routes, config, model=layers):
             forward_backward(collated.padding_mask)
         out["perturbed_maps_equal_on_real"] = all(
             torch.equal(m[real_sm], r[real_sm]) for m, r in zip(maps, recorded_maps, strict=True)
         )
 
         # 4. Control: without the padding mask, the dummy rows are counted.
-        with replaying_routes(collated.routes, config):
+        with replaying_routes(collated.routes, config, model=layers):
             _, _, counts_unmasked = forward_backward(None)
         out["unmasked_counts_differ"] = any(
             not torch.equal(c, e) for c, e in zip(counts_unmasked, expected_counts, strict=True)
@@ -201,7 +207,7 @@ def _replay_packed(layers, config, groups, router_replay, action, maps) -> dict:
     natural_differs = any(
         not torch.equal(m[real_sm], e[real_sm]) for m, e in zip(maps, expected_maps, strict=True)
     )
-    with replaying_routes(packed.routes.routes, config):
+    with replaying_routes(packed.routes.routes, config, model=layers):
         counts = run(packed.tokens.t(), packed.routes.padding_mask)
     return {
         "packed_natural_routing_differs": natural_differs,
@@ -368,28 +374,100 @@ def test_megatron_0_19_expert_bias_cannot_take_a_padding_mask():
     and the compat fix can go."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    if getattr(TopKRouter._apply_expert_bias, "_art_row_mask", False):
-        pytest.fail("the compat fix leaked into this process; tests must restore Megatron's")
     router = types.SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(8))
     routing_map = torch.zeros(3, EXPERTS, dtype=torch.bool)
     with pytest.raises(RuntimeError, match=r"size of tensor|broadcast"):
         TopKRouter._apply_expert_bias(router, routing_map, torch.tensor([False, True, False]))
 
 
-def test_expert_bias_fix_counts_only_rows_that_are_not_padding(monkeypatch):
-    from megatron.core.transformer.moe.router import TopKRouter
+def test_expert_bias_fix_counts_only_rows_that_are_not_padding():
+    from art_megatron_ext.compat import expert_bias_padding_mask_fixed
 
-    from art_megatron_ext.compat import fix_expert_bias_padding_mask
-
-    # Megatron's own method fails on a [tokens] mask against a [tokens, experts] map.
-    monkeypatch.setattr(TopKRouter, "_apply_expert_bias", TopKRouter._apply_expert_bias)
-    fix_expert_bias_padding_mask()
-    fix_expert_bias_padding_mask()  # idempotent
-    router = types.SimpleNamespace(
-        enable_expert_bias=True, local_tokens_per_expert=torch.zeros(EXPERTS)
-    )
+    fixed, other = _bare_routers(2)
     routing_map = torch.zeros(3, EXPERTS, dtype=torch.bool)
     routing_map[0, [1, 2]] = routing_map[1, [2, 3]] = routing_map[2, [0, 1]] = True
     padding = torch.tensor([False, True, False])
-    TopKRouter._apply_expert_bias(router, routing_map, padding)
-    assert router.local_tokens_per_expert.tolist() == [1, 2, 1, 0, 0, 0, 0, 0]
+    with expert_bias_padding_mask_fixed(torch.nn.ModuleList([fixed])):
+        with expert_bias_padding_mask_fixed(fixed):  # nested: the inner block changes nothing
+            pass
+        fixed._apply_expert_bias(routing_map, padding)
+        assert fixed.local_tokens_per_expert.tolist() == [1, 2, 1, 0, 0, 0, 0, 0]
+        # a router the caller did not hand over keeps Megatron's method (and its bug)
+        with pytest.raises(RuntimeError, match=r"size of tensor|broadcast"):
+            other._apply_expert_bias(routing_map, padding)
+    assert "_apply_expert_bias" not in fixed.__dict__  # restored on exit
+    with pytest.raises(RuntimeError, match=r"size of tensor|broadcast"):
+        fixed._apply_expert_bias(routing_map, padding)
+
+
+def _bare_routers(n: int) -> list:
+    """`n` real TopKRouter objects without running their constructor (which needs parallel
+    state): enough for `_apply_expert_bias`, which reads two attributes."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = []
+    for _ in range(n):
+        router = TopKRouter.__new__(TopKRouter)
+        torch.nn.Module.__init__(router)
+        router.enable_expert_bias = True
+        router.register_buffer("local_tokens_per_expert", torch.zeros(EXPERTS))
+        routers.append(router)
+    return routers
+
+
+def test_replay_with_expert_bias_requires_the_model():
+    config = types.SimpleNamespace(
+        virtual_pipeline_model_parallel_size=None,
+        moe_enable_routing_replay=True,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_router_enable_expert_bias=True,
+    )
+    router_replay, _ = megatron_router_replay()
+    saved = list(router_replay.global_router_replay_instances)
+    router_replay.clear_global_router_replay_instances()
+    try:
+        router_replay()
+        with pytest.raises(RouterReplayError, match="pass model="):  # noqa: SIM117
+            with replaying_routes(torch.zeros(1, 1, 1, TOPK, dtype=torch.uint8), config):
+                pass
+    finally:
+        router_replay.global_router_replay_instances[:] = saved
+
+
+def test_the_padding_fix_does_not_outlive_replay(ranks):
+    assert all(r["bias_fix_scoped"] for r in ranks)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "match"),
+    [
+        ("virtual_pipeline_model_parallel_size", 2, "virtual_pipeline"),
+        ("context_parallel_size", 2, "context_parallel_size=2"),
+        ("moe_router_load_balancing_type", "sinkhorn", "sinkhorn"),
+        ("moe_router_fusion", True, "fused top-k"),
+        ("moe_expert_capacity_factor", 1.0, "token dropping"),
+        ("overlap_moe_expert_parallel_comm", True, "overlapped schedule"),
+        ("cuda_graph_impl", "local", "captured graph"),
+        ("moe_enable_routing_replay", False, "moe_enable_routing_replay=True"),
+    ],
+)
+def test_combinations_that_cannot_be_exact_are_refused_at_configuration(setting, value, match):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from art_megatron_ext.routing.replay import check_replay_config
+
+    fields = dict(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=4,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_enable_routing_replay=True,
+        use_cpu_initialization=True,
+    )
+    check_replay_config(TransformerConfig(**fields))  # the baseline is accepted
+    config = types.SimpleNamespace(**fields)
+    setattr(config, setting, value)
+    with pytest.raises(RouterReplayError, match=match):
+        check_replay_config(config)
