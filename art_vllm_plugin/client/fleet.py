@@ -18,8 +18,8 @@ Rules (README "Several servers: the fleet"):
   when a call to it failed for connection/5xx reasons, or when `slots()` sees it behind.
   Quarantine ends when a later `publish` or `reconcile()` leaves it on every target, checked
   on its own `/art/v1/slots`.
-- `reconcile()` re-publishes each slot's target (path, version and original operation id) to
-  every replica that is behind, e.g. one that restarted at version 0.
+- `reconcile()` re-publishes each slot's target (path, version, digest) to every replica
+  that is not on it, e.g. one that restarted at version 0.
 - One publisher per fleet: `publish`, `reconcile` and `slots` run one at a time; `healthy()`
   never waits for them. The fleet assumes it is the only publisher of its slots.
 """
@@ -188,16 +188,27 @@ class Fleet:
     def _settle(self, slot: str, target: _Target, results: Iterable[ReplicaResult]) -> None:
         """Move the target if any replica applied it; quarantine or release each replica."""
         results = list(results)
-        if any(r.ok for r in results):
-            with self._state_lock:
-                self._targets[slot] = target
         moved = any(r.ok for r in results)
+        with self._state_lock:
+            before = self._targets.get(slot)
+            if moved:
+                self._targets[slot] = target
         was_quarantined = self.quarantined()
         for r in results:
             if not r.ok and (moved or r.outcome is Outcome.FAILED):
                 self._quarantine(r.url, r.error or f"{r.outcome.value} on {slot}@{r.version}")
-            elif r.ok and r.url in was_quarantined:
+            elif r.ok and (r.url in was_quarantined or self._diverged(r, before)):
                 self._release_if_current(r.url)
+
+    @staticmethod
+    def _diverged(r: ReplicaResult, before: _Target | None) -> bool:
+        """The replica's answer says it was not on the previous target (e.g. it restarted).
+
+        Servers that report `previous_version` (issue 14) let a publish notice a restarted
+        replica; it is then checked on every slot, not only the one just published.
+        """
+        previous = (r.response or {}).get("previous_version")
+        return before is not None and previous is not None and previous != before.version
 
     def _release_if_current(self, url: str) -> None:
         """End `url`'s quarantine if its own `/art/v1/slots` shows every target."""
@@ -207,13 +218,15 @@ class Fleet:
             self._quarantine(url, str(exc))
             return
         with self._state_lock:
-            behind = {
+            off = {
                 s: (reported.get(s, (None, None))[0], t.version)
                 for s, t in self._targets.items()
                 if reported.get(s, (None, None))[0] != t.version
             }
-            if behind:
-                self._quarantined[url] = f"{url} is behind the fleet: {behind} (have, want)"
+            if off:
+                self._quarantined[url] = (
+                    f"{url} is not on the fleet's versions: {off} (slot: (have, want))"
+                )
             else:
                 self._quarantined.pop(url, None)
 
@@ -372,8 +385,9 @@ class Fleet:
     def reconcile(self) -> ReconcileResult:
         """Bring every replica to every target: re-publish what it misses, then re-check.
 
-        Each re-publish reuses the original operation id, path and digest. A replica ahead of
-        the target (someone else published) is reported and stays quarantined.
+        Each re-publish sends the target's path, version and digest under a fresh operation
+        id. A replica ahead of the target (someone else published) is refused by it (409),
+        reported, and stays quarantined.
         """
         with self._op_lock:
             survey = self._survey()
@@ -388,7 +402,11 @@ class Fleet:
                     version = None if have is None else have.get(slot, (None, None))[0]
                     if version == target.version:
                         continue
-                    out.append(self._send(url, slot, target, deadline, quarantined=False))
+                    # A fresh operation id: a replica off the target must apply it, not replay
+                    # the answer it gave the original publish before it diverged.
+                    again = replace(target, operation_id=f"fleet-reconcile-{uuid.uuid4().hex}")
+                    # A replica that did not answer the survey gets the quarantined tries only.
+                    out.append(self._send(url, slot, again, deadline, quarantined=have is None))
                 return out
 
             per_url = dict(zip(self.urls, self._pool.map(repair, self.urls), strict=True))

@@ -31,6 +31,7 @@ def server(tiny_model, tiny_adapters, server_log):
             "4",
             "--lora-modules",
             f"policy={tiny_adapters / 'a'}",
+            f"other={tiny_adapters / 'a'}",
         ),
         env={"ART_TEST_HOOKS": "1"},
         log_path=server_log,
@@ -50,8 +51,8 @@ def closed_url() -> str:
     return f"http://127.0.0.1:{serve_process.free_port()}"
 
 
-def next_version(art) -> int:
-    return {s["slot"]: s["version"] for s in art.slots()}["policy"] + 1
+def next_version(art, slot: str = "policy") -> int:
+    return {s["slot"]: s["version"] for s in art.slots()}[slot] + 1
 
 
 def test_connection_refused_is_retried_up_to_max_attempts_then_quarantined():
@@ -159,6 +160,10 @@ def test_repeat_of_an_operation_is_already_applied(server, art, tiny_adapters):
         (r,) = again.replicas
         assert r.outcome is Outcome.ALREADY_APPLIED, r.error
         assert r.attempts == 1
+        # The server remembered the operation: the first response, marked as a replay.
+        assert r.status == 200 and r.response["replayed"] is True
+        assert r.response["version"] == version
+        assert r.response["operation_id"] == f"step-{version}"
         assert fleet.healthy() == [server.url]
     assert next_version(art) == version + 1
 
@@ -171,3 +176,33 @@ def test_older_version_is_refused_once(server, art, tiny_adapters):
         assert r.outcome is Outcome.REFUSED and r.status == 409 and r.attempts == 1
         assert f"reports version {current}" in r.error
     assert next_version(art) == current + 1
+
+
+def test_a_replica_that_diverged_is_noticed_and_stays_out_until_current(server, art, tiny_adapters):
+    """Someone published to the replica behind the fleet's back, on two slots.
+
+    The fleet's next publish of `policy` sees `previous_version` differ from its own target,
+    checks every slot, and quarantines the replica for `other`; `reconcile()` cannot take
+    `other` back (the replica is ahead: 409), so it stays out until the fleet publishes a
+    newer `other`.
+    """
+    a = str(tiny_adapters / "a")
+    with Fleet([server.url], config=FleetConfig(retry=FAST)) as fleet:
+        p, o = next_version(art), next_version(art, "other")
+        assert fleet.publish("policy", a, p).ok and fleet.publish("other", a, o).ok
+        art.update("policy", a, p + 1)  # not through the fleet
+        art.update("other", a, o + 1)
+        res = fleet.publish("policy", a, p + 2)
+        assert res.ok and res.replicas[0].response["previous_version"] == p + 1
+        assert fleet.healthy() == []
+        assert "'other': (" in fleet.quarantined()[server.url]
+
+        rec = fleet.reconcile()
+        (r,) = rec.updates
+        assert (r.slot, r.outcome, r.status) == ("other", Outcome.REFUSED, 409)
+        assert not rec.ok and fleet.healthy() == []
+
+        assert fleet.publish("other", a, o + 2).ok
+        assert fleet.healthy() == [server.url]
+        view = fleet.slots()
+        assert view["policy"].agreed and view["other"].agreed

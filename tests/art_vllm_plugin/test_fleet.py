@@ -1,0 +1,220 @@
+"""`Fleet` over three real `vllm serve` replicas: publish under traffic, lose one, bring it back.
+
+The scenario is deterministic: replica 2 is killed (its whole process group) right before
+publish KILL_BEFORE, so that publish and every later one find it down; it restarts on the
+same port after the last publish, at version 0, and `reconcile()` brings it current.
+
+Traffic stands in for the user's load balancer: a thread sends completions round robin to
+`fleet.healthy()`. Each request records the phase of the scenario when it was sent and when
+it ended, so the test can say exactly which requests may fail: those to the killed replica
+that ended after the kill and were sent before its quarantine. Requests to the other
+replicas never fail; none goes to the killed replica while it is quarantined.
+
+Three servers at once (about 9 GiB here) is the point of this module; `--max-num-seqs 4`.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from support.vllm_server import restart_same_port
+
+from art_vllm_plugin import serve_process
+from art_vllm_plugin.adapter_digest import digest_dir
+from art_vllm_plugin.client import Fleet, FleetConfig, Outcome, RetryPolicy, validate_spans
+
+pytestmark = pytest.mark.serve
+
+N_VERSIONS = 20
+KILL_BEFORE = 8  # replica KILLED is stopped right before this publish
+KILLED = 2
+PROMPT = "the trainer publishes a new policy and every replica"
+RETRY = RetryPolicy(
+    deadline_s=180.0, attempt_timeout_s=120.0, backoff_initial_s=0.1, max_attempts=4
+)
+
+
+def _config(tiny_model, tiny_adapters, log_path) -> serve_process.ServeConfig:
+    return serve_process.ServeConfig(
+        model=str(tiny_model),
+        args=(
+            *serve_process.tiny_lora_args(),
+            "--max-num-seqs",
+            "4",
+            "--lora-modules",
+            f"policy={tiny_adapters / 'a'}",
+        ),
+        log_path=log_path,
+    )
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model, tiny_adapters, server_log):
+    """Three servers started at once; a list the test may replace an entry of (restart)."""
+    configs = [
+        _config(tiny_model, tiny_adapters, server_log.with_name(f"{server_log.stem}-{i}.log"))
+        for i in range(3)
+    ]
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(serve_process.start, c) for c in configs]
+    started, errors = [], []
+    for f in futures:
+        try:
+            started.append(f.result())
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        for s in started:
+            s.stop()
+        raise errors[0]
+    try:
+        yield started
+    finally:
+        for s in started:
+            s.stop()
+
+
+def complete(url: str, max_tokens: int = 8) -> dict:
+    body = {
+        "model": "policy",
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def served_versions(url: str, latest: int) -> set[int]:
+    """Versions in the spans of one new request to `url` (spans validated)."""
+    choice = complete(url)["choices"][0]
+    spans = validate_spans(choice, len(choice["token_ids"]), latest_version={"policy": latest})
+    return {s["version"] for s in spans}
+
+
+@dataclass
+class Sent:
+    url: str
+    sent_phase: str
+    ended_phase: str
+    error: str | None
+
+
+class Traffic:
+    """Completions in a loop to `fleet.healthy()`, round robin, recording every request."""
+
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
+        self.phase = "before-kill"
+        self.latest = 0  # highest version a publish has started: no span may be newer
+        self.records: list[Sent] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="fleet-traffic", daemon=True)
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=600)
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            phase = self.phase  # read before healthy(): see the module docstring
+            urls = self.fleet.healthy()
+            url = urls[i % len(urls)]
+            i += 1
+            error = None
+            try:
+                choice = complete(url)["choices"][0]
+                validate_spans(choice, len(choice["token_ids"]), {"policy": self.latest})
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                self.records.append(Sent(url, phase, self.phase, error))
+
+    def sent(self) -> list[Sent]:
+        with self._lock:
+            return list(self.records)
+
+
+def test_fleet_publishes_quarantines_and_reconciles(replicas, tiny_adapters):
+    urls = [s.url for s in replicas]
+    killed = urls[KILLED]
+    others = [u for u in urls if u != killed]
+    adapters = [tiny_adapters / "a", tiny_adapters / "b"]
+    digests = {p: digest_dir(p) for p in adapters}
+
+    with Fleet(urls, config=FleetConfig(retry=RETRY)) as fleet, Traffic(fleet) as traffic:
+        for version in range(1, N_VERSIONS + 1):
+            if version == KILL_BEFORE:
+                traffic.phase = "killed"
+                replicas[KILLED].stop()
+            adapter = adapters[version % 2]
+            traffic.latest = version
+            res = fleet.publish("policy", str(adapter), version, digest=digests[adapter])
+            by_url = res.by_url()
+            if version < KILL_BEFORE:
+                assert res.ok, [r.error for r in res.failed]
+                assert fleet.healthy() == urls
+            else:
+                assert [by_url[u].outcome for u in others] == [Outcome.APPLIED] * 2, res.failed
+                dead = by_url[killed]
+                assert dead.outcome is Outcome.FAILED and "ConnectError" in dead.error
+                # Quarantined: one try per publish, not the whole backoff schedule again.
+                expected_tries = RETRY.max_attempts if version == KILL_BEFORE else 1
+                assert dead.attempts == expected_tries
+                assert fleet.healthy() == others
+                assert killed in fleet.quarantined()
+                traffic.phase = "quarantined"
+            assert fleet.targets() == {"policy": version}
+            for url in fleet.healthy():  # new requests run the new version everywhere
+                assert served_versions(url, version) == {version}
+
+        # The replica comes back on the same address, at version 0: behind, still quarantined.
+        traffic.phase = "restarted"
+        replicas[KILLED] = restart_same_port(replicas[KILLED])
+        view = fleet.slots()["policy"]
+        assert dict(view.versions) == {urls[0]: N_VERSIONS, urls[1]: N_VERSIONS, killed: 0}
+        assert not view.agreed and view.behind == [killed]
+        assert fleet.healthy() == others
+
+        rec = fleet.reconcile()
+        assert rec.ok, rec.quarantined
+        assert [(r.url, r.version, r.outcome) for r in rec.updates] == [
+            (killed, N_VERSIONS, Outcome.APPLIED)
+        ]
+        assert fleet.healthy() == urls
+        traffic.phase = "reconciled"
+        view = fleet.slots()["policy"]
+        assert view.agreed and set(view.versions.values()) == {N_VERSIONS}
+        last = adapters[N_VERSIONS % 2]
+        for url in urls:
+            # Servers that report digests (issue 14 item 4) must report the published one.
+            assert view.digests[url] in (None, digests[last])
+            assert served_versions(url, N_VERSIONS) == {N_VERSIONS}
+        # A second reconcile finds nothing to do.
+        assert fleet.reconcile().updates == ()
+
+    sent = traffic.sent()
+    failed = [r for r in sent if r.error]
+    assert all(
+        r.url == killed
+        and r.sent_phase in ("before-kill", "killed")
+        and r.ended_phase != "before-kill"
+        for r in failed
+    ), failed
+    assert not [r for r in sent if r.url in others and r.error]
+    assert not [r for r in sent if r.url == killed and r.sent_phase in ("quarantined", "restarted")]
+    for url in others:
+        assert any(r.url == url and r.sent_phase == "quarantined" for r in sent)
