@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from art_vllm_plugin import compat
 from art_vllm_plugin.api_server.auth import require_api_key
 from art_vllm_plugin.routes import config as routes_config
-from art_vllm_plugin.routes.envelope import MEDIA_TYPE, encode_body
+from art_vllm_plugin.routes.envelope import MEDIA_TYPE, encode_head
 from art_vllm_plugin.routes.spans import expected_rows, route_spans
 
 router = APIRouter(prefix="/art", dependencies=[Depends(require_api_key)])
@@ -114,6 +114,23 @@ def capture_mode(vllm_config) -> str | None:
     return "worker" if compat.routes_use_worker_path(vllm_config) else "native"
 
 
+class RoutedResponse(Response):
+    """The body in two writes, head (header + JSON) then the bundle buffer as is: the
+    routes are copied once (into the bundle), not again into one body buffer."""
+
+    def __init__(self, head: bytes, bundle: bytearray) -> None:
+        super().__init__(content=b"", media_type=MEDIA_TYPE)
+        self.head, self.bundle = head, bundle
+        self.headers["content-length"] = str(len(head) + len(bundle))
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        await send({"type": "http.response.body", "body": self.head, "more_body": True})
+        await send({"type": "http.response.body", "body": memoryview(self.bundle)})
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"message": message, "code": status}})
 
@@ -185,7 +202,7 @@ def _routed_body(response, vllm_config, captured: list[tuple[np.ndarray | None, 
     bundle = encode_route_bundle(
         arrays, num_experts=compat.num_experts(vllm_config), num_layers=layers, topk=topk
     )
-    return encode_body(completion, bundle)
+    return encode_head(completion, len(bundle)), bundle
 
 
 async def _serve(raw_request: Request, chat: bool):
@@ -233,15 +250,15 @@ async def _serve(raw_request: Request, chat: bool):
         if chat
         else sink.completion
     )
-    body_bytes = _routed_body(response, vllm_config, captured, start)
-    limit = routes_config.max_body_bytes()
-    if len(body_bytes) > limit:
+    head, bundle = _routed_body(response, vllm_config, captured, start)
+    size, limit = len(head) + len(bundle), routes_config.max_body_bytes()
+    if size > limit:
         return _error(
             413,
-            f"the routed response would be {len(body_bytes)} bytes, over this server's limit "
+            f"the routed response would be {size} bytes, over this server's limit "
             f"of {limit} bytes ({routes_config.MAX_BYTES_ENV}); ask for fewer tokens or choices",
         )
-    return Response(content=memoryview(body_bytes), media_type=MEDIA_TYPE)
+    return RoutedResponse(head, bundle)
 
 
 @router.post("/v1/completions")

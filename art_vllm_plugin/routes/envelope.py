@@ -48,24 +48,27 @@ def bundle_offset(json_length: int) -> int:
     return _aligned(HEADER_SIZE + json_length)
 
 
-def encode_body(completion: dict[str, Any], bundle: bytes | bytearray) -> bytearray:
-    """Header + JSON + padding + bundle. `completion` gains `art_routes` (offset, length)."""
-    # The offset depends on the JSON length, which depends on the offset's digits: fix it
-    # with a placeholder of the final width (the bundle length bounds the number of digits).
-    meta = {"format": "art-route-bundle", "version": 1, "offset": 0, "length": len(bundle)}
+def encode_head(completion: dict[str, Any], bundle_length: int) -> bytes:
+    """Header + JSON + zero padding: everything before the bundle. `completion` is copied and
+    gains `art_routes` (format, version, offset, length). The server sends this and the bundle
+    as two writes, so the bundle is never copied into a body buffer."""
+    # The offset depends on the JSON length, which depends on the offset's digits: iterate
+    # until stable (at most twice in practice).
+    meta = {"format": "art-route-bundle", "version": 1, "offset": 0, "length": bundle_length}
     completion = dict(completion, art_routes=meta)
     text = json.dumps(completion, separators=(",", ":")).encode()
-    for _ in range(3):
+    while meta["offset"] != bundle_offset(len(text)):
         meta["offset"] = bundle_offset(len(text))
         text = json.dumps(completion, separators=(",", ":")).encode()
-        if meta["offset"] == bundle_offset(len(text)):
-            break
-    start = bundle_offset(len(text))
-    out = bytearray(start + len(bundle))
-    _HEADER.pack_into(out, 0, MAGIC, VERSION, 0, len(text))
-    out[HEADER_SIZE : HEADER_SIZE + len(text)] = text
-    out[start:] = bundle
-    return out
+    head = bytearray(meta["offset"])
+    _HEADER.pack_into(head, 0, MAGIC, VERSION, 0, len(text))
+    head[HEADER_SIZE : HEADER_SIZE + len(text)] = text
+    return bytes(head)
+
+
+def encode_body(completion: dict[str, Any], bundle: bytes | bytearray) -> bytes:
+    """The whole body in one buffer (tests, benchmarks; the server writes head and bundle)."""
+    return encode_head(completion, len(bundle)) + bytes(bundle)
 
 
 @dataclass(frozen=True)
