@@ -9,8 +9,9 @@ Three ratios, each goal <= 1.15x:
 - save: the complete crash-atomic save (`ShardedCheckpointer.save`: write with the digest in
   the same pass, fsync of the shard, manifest, rename, directory fsyncs, removal of the previous
   generation) vs `torch.save` to a file followed by `fsync` of that file.
-- load: `ShardedCheckpointer.load` (deserialize with the digest verified from the same open
-  file on a helper thread) vs `torch.load` of the plain file.
+- load: `ShardedCheckpointer.load` (one pass: `torch.load(mmap=True)`, then each storage
+  copied into private memory and hashed from the copy while in cache) vs `torch.load` of the
+  plain file.
 
 Diagnostic column: `xxh3` is XXH3-128 alone over the shard's bytes on one core.
 Baseline and measured runs are interleaved so background load on a shared host hits both.

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 
 from art_megatron_ext.optim.collective import RankGroup
-from art_megatron_ext.optim.fileio import CheckpointIO, digest_open_file
+from art_megatron_ext.optim.fileio import CheckpointIO, digest_open_file, load_and_digest
 from art_megatron_ext.optim.manifest import (
     LEGACY_SHARD_RE,
     MANIFEST_NAME,
@@ -41,6 +40,17 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_PROC_FD = Path("/proc/self/fd").is_dir()  # open the same file again by its descriptor
+
+
+def _to_device(state: Any, device: str) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return type(state)((k, _to_device(v, device)) for k, v in state.items())
+    if isinstance(state, (list, tuple)):
+        return type(state)(_to_device(v, device) for v in state)
+    return state
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -157,10 +167,9 @@ class ShardedCheckpointer:
         )
 
     def _load_verified(self, path: Path, record: ShardRecord, manifest: Manifest) -> Any:
-        """Deserialize the shard while its digest is computed on a helper thread.
-
-        Both read the same open file (`/proc/self/fd/N` where available), so the bytes that
-        were verified are the bytes that were loaded even if the name is replaced meanwhile.
+        """Deserialize the shard and compute its digest in one pass (`load_and_digest`):
+        every byte is read once, and the bytes that were verified are the bytes that were
+        loaded even if the name is replaced meanwhile (one open file, `/proc/self/fd/N`).
         A state whose digest does not match is discarded.
         """
         where = (
@@ -173,24 +182,25 @@ class ShardedCheckpointer:
             raise CheckpointCorruptError(
                 f"{path}: shard listed in the manifest is missing {where}"
             ) from exc
-        with f, ThreadPoolExecutor(1, "ckpt-verify") as helper:
+        with f:
             size = os.fstat(f.fileno()).st_size
             if size != record.size:
                 raise CheckpointCorruptError(
                     f"{path}: size {size} bytes does not match the manifest's {record.size} {where}"
                 )
-            digest = helper.submit(digest_open_file, f, size, manifest.digest_name)
-            same_file = Path(f"/proc/self/fd/{f.fileno()}")
             try:
-                state = torch.load(
-                    same_file if same_file.exists() else path,
-                    map_location=self.config.map_location,
+                state, got = load_and_digest(
+                    f"/proc/self/fd/{f.fileno()}" if _PROC_FD else str(path),
+                    size,
                     weights_only=self.config.weights_only,
+                    name=manifest.digest_name,
                 )
+                if self.config.map_location != "cpu":
+                    state = _to_device(state, self.config.map_location)
                 load_error = None
-            except Exception as exc:  # judged after the digest: corruption explains it
+            except Exception as exc:  # judged by the digest: corruption explains it
                 state, load_error = None, exc
-            got = digest.result()
+                got = digest_open_file(f, size, manifest.digest_name)
         if got != record.digest:
             raise CheckpointCorruptError(
                 f"{path}: {manifest.digest_name} digest {got} does not match the manifest's "

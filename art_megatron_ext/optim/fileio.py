@@ -29,6 +29,7 @@ _HASHERS: dict[str, Callable[[], Any]] = {
     LEGACY_DIGEST: lambda: hashlib.blake2b(digest_size=32),
 }
 _READ_CHUNK = 4 << 20  # buffer for verifying a shard's digest
+_HOT_CHUNK = 1 << 20  # a storage is copied and hashed in pieces that stay in cache
 _DIR_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
@@ -162,3 +163,96 @@ def digest_open_file(f: BinaryIO, size: int, name: str = WRITE_DIGEST) -> str:
         hasher.update(view[:n])
         offset += n
     return hasher.hexdigest()
+
+
+def _tensors_by_storage(obj: Any, out: dict[int, tuple[Any, list]]) -> None:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        if storage.nbytes():
+            out.setdefault(storage.data_ptr(), (storage, []))[1].append(obj)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _tensors_by_storage(value, out)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _tensors_by_storage(value, out)
+
+
+def _data_record_spans(path: str) -> list[tuple[int, int]]:
+    """(offset, size) of every non-empty storage record of a torch.save zip, by offset."""
+    import zipfile
+
+    import torch
+
+    reader = torch._C.PyTorchFileReader(path)
+    with zipfile.ZipFile(path) as archive:
+        sizes = {i.filename: i.file_size for i in archive.infolist()}
+    return sorted(  # the reader names records without the archive's top directory
+        (reader.get_record_offset(name.split("/", 1)[1]), size)
+        for name, size in sizes.items()
+        if "/data/" in name and size > 0
+    )
+
+
+def load_and_digest(path: str, size: int, *, weights_only: bool, name: str = WRITE_DIGEST):
+    """`torch.load(path)` into host memory and the digest of the file's first `size` bytes,
+    in one pass over the bytes; returns (state, hex digest).
+
+    Why: a separate verification pass reads every byte a second time; with no free core for
+    a helper thread it costs as much as the load. Here `torch.load(mmap=True)` maps the file
+    (it reads only the pickle and the zip directory), then one in-order pass copies each
+    storage from the mapping into private memory in 1 MiB pieces and hashes every piece from
+    the copy while it is in cache; the bytes between storages (zip headers, the pickle) are
+    read with `pread` for the digest. The tensors are then re-pointed at the private copies,
+    so nothing stays mapped: the digest covers exactly the bytes the state holds.
+
+    `path` must not be truncated while this runs (a mapped page past the end raises SIGBUS);
+    checkpoint files are never written in place (they are renamed into place), and the
+    caller checks the size first.
+    """
+    import torch
+
+    hasher = new_hasher(name)
+    state = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    storages: dict[int, tuple[Any, list]] = {}
+    _tensors_by_storage(state, storages)
+    spans = _data_record_spans(path)
+    if len(spans) != len(storages):
+        raise ValueError(f"{path}: {len(spans)} storage records but {len(storages)} storages")
+    base = min(storages) - (spans[0][0] if spans else 0)
+    scratch = bytearray(_HOT_CHUNK)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def hash_file_range(start: int, stop: int) -> None:
+            while start < stop:
+                view = memoryview(scratch)[: min(_HOT_CHUNK, stop - start)]
+                got = os.preadv(fd, [view], start)
+                if got == 0:
+                    return  # shorter than `size`: the digest will not match
+                hasher.update(view[:got])
+                start += got
+
+        position = 0
+        with torch.no_grad():
+            for (offset, nbytes), ptr in zip(spans, sorted(storages), strict=True):
+                storage, tensors = storages[ptr]
+                if ptr - base != offset or storage.nbytes() != nbytes:
+                    raise ValueError(f"{path}: storage at {offset} is not where torch mapped it")
+                hash_file_range(position, offset)
+                mapped = torch.empty(0, dtype=torch.uint8).set_(storage)
+                private = torch.empty(nbytes, dtype=torch.uint8)
+                for start in range(0, nbytes, _HOT_CHUNK):
+                    piece = private[start : start + _HOT_CHUNK]
+                    piece.copy_(mapped[start : start + _HOT_CHUNK])
+                    hasher.update(piece.numpy())
+                copy = private.untyped_storage()
+                for t in tensors:
+                    t.set_(copy, t.storage_offset(), t.size(), t.stride())
+                position = offset + nbytes
+            hash_file_range(position, size)
+    finally:
+        os.close(fd)
+    return state, hasher.hexdigest()
