@@ -22,11 +22,15 @@ import json
 import shutil
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from art_megatron_ext import compat
+from art_megatron_ext.optim.async_save import snapshot_state
 from art_megatron_ext.optim.checkpoint import CheckpointCorruptError, CheckpointSaveError
 from art_megatron_ext.optim.collective import RankGroup
 from art_megatron_ext.optim.fileio import WRITE_DIGEST, CheckpointIO, digest_open_file, new_hasher
@@ -36,7 +40,8 @@ from art_megatron_ext.optim.optimizer_state import _unshare_step_tensors
 __all__ = ["DistCheckpointer", "DistManifest", "LoadedDist"]
 
 DIST_FORMAT = "art-pipeline/dist-checkpoint"
-DIST_FORMAT_VERSION = 1
+DIST_FORMAT_VERSION = 2  # written; 1 is read (see `_refuse_format1_gated_grouped`)
+_READABLE_VERSIONS = (1, 2)
 SHARDING_TYPE = "fully_reshardable"
 
 
@@ -60,6 +65,7 @@ class DistManifest:
     world_size: int  # of the job that saved it (any world size may load it)
     objective: str
     files: tuple[DistFile, ...]
+    format_version: int = DIST_FORMAT_VERSION  # 1 only for a format-1 manifest read back
 
     @property
     def directory_name(self) -> str:
@@ -89,8 +95,11 @@ class DistManifest:
                     f"{source}: format is {body.get('format')!r}, expected {DIST_FORMAT!r} "
                     "(a per-rank checkpoint is read with ShardedCheckpointer)"
                 )
-            if body.get("format_version") != DIST_FORMAT_VERSION or body.get("digest") != (
-                WRITE_DIGEST
+            version = body.get("format_version")
+            if (
+                isinstance(version, bool)
+                or version not in _READABLE_VERSIONS
+                or body.get("digest") != WRITE_DIGEST
             ):
                 raise CheckpointFormatError(
                     f"{source}: format_version {body.get('format_version')!r} / digest "
@@ -105,6 +114,7 @@ class DistManifest:
                 int(body["world_size"]),
                 str(body["objective"]),
                 files,
+                int(version),
             )
         except CheckpointFormatError:
             raise
@@ -125,10 +135,11 @@ class LoadedDist:
 
 
 class _HashingFile:
-    """A binary file whose writes are hashed on their way out; digest recorded at close."""
+    """A binary file whose writes go through `io.write` and are hashed on their way out;
+    the digest is recorded at close."""
 
-    def __init__(self, raw: Any, path: Path, record: dict[str, tuple[int, str]], lock) -> None:
-        self._raw, self._path, self._record, self._lock = raw, path, record, lock
+    def __init__(self, raw: Any, path: Path, watch: _Watch) -> None:
+        self._raw, self._path, self._watch = raw, path, watch
         self._hasher = new_hasher()
         self._size = 0
         self._rewound = False  # a seek back means the write order is not the file order
@@ -136,9 +147,9 @@ class _HashingFile:
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         self._hasher.update(view)
-        n = self._raw.write(view)
+        self._watch.io.write(self._raw, view)
         self._size += view.nbytes
-        return n
+        return view.nbytes
 
     def seek(self, *args):
         self._rewound = True
@@ -167,34 +178,51 @@ class _HashingFile:
             size = self._path.stat().st_size
         else:
             digest, size = self._hasher.hexdigest(), self._size
-        with self._lock:
-            self._record[self._path.name] = (size, digest)
+        with _WATCH_LOCK:
+            self._watch.record[self._path.name] = (size, digest)
+
+
+@dataclass
+class _Watch:
+    io: CheckpointIO
+    record: dict[str, tuple[int, str]]
+
+
+# Generation directories whose Megatron data-file writes are being hashed (several saves of
+# different checkpointers may overlap, each in its own directory).
+_WATCHED: dict[Path, _Watch] = {}
+_WATCH_LOCK = threading.Lock()
+
+
+def _hashing_open(file, mode="r", *args, **kwargs):
+    raw = builtins.open(file, mode, *args, **kwargs)  # noqa: SIM115 (closed by wrapper)
+    if "w" in mode and "b" in mode:
+        path = Path(file)
+        with _WATCH_LOCK:
+            watch = _WATCHED.get(path.parent)
+        if watch is not None:
+            return _HashingFile(raw, path, watch)
+    return raw
 
 
 @contextlib.contextmanager
-def _hash_megatron_writes(directory: Path) -> Iterator[dict[str, tuple[int, str]]]:
-    """While active, Megatron's data-file writes into `directory` are hashed in-flight."""
+def _hash_megatron_writes(directory: Path, io: CheckpointIO) -> Iterator[dict[str, tuple]]:
+    """While active, Megatron's data-file writes into `directory` go through `io.write` and
+    are hashed in-flight (a module-level `open` bound in Megatron's writer module while any
+    save is active)."""
     module = compat.dist_ckpt_writer_module()
-    record: dict[str, tuple[int, str]] = {}
-    lock = threading.Lock()
-    had_own = "open" in module.__dict__
-    previous = module.__dict__.get("open")
-
-    def hashing_open(file, mode="r", *args, **kwargs):
-        raw = builtins.open(file, mode, *args, **kwargs)  # noqa: SIM115 (closed by wrapper)
-        path = Path(file)
-        if "w" in mode and "b" in mode and path.parent == directory:
-            return _HashingFile(raw, path, record, lock)
-        return raw
-
-    module.open = hashing_open
+    watch = _Watch(io, {})
+    with _WATCH_LOCK:
+        if not _WATCHED:
+            module.open = _hashing_open
+        _WATCHED[directory] = watch
     try:
-        yield record
+        yield watch.record
     finally:
-        if had_own:
-            module.open = previous
-        else:
-            del module.open
+        with _WATCH_LOCK:
+            del _WATCHED[directory]
+            if not _WATCHED:
+                del module.open
 
 
 def lora_sharded_state_dict(model: Any, metadata: dict) -> dict:
@@ -202,17 +230,45 @@ def lora_sharded_state_dict(model: Any, metadata: dict) -> dict:
     return {k: v for k, v in model.sharded_state_dict(metadata=metadata).items() if ".lora." in k}
 
 
+def _snapshot_buckets(buckets: list) -> list:
+    """Megatron's write buckets with every tensor copied into host memory (the snapshot)."""
+    return [
+        (path, name, (bytes_data, [(item, snapshot_state(t)) for item, t in tensors]))
+        for path, name, (bytes_data, tensors) in buckets
+    ]
+
+
+@dataclass
+class _Prepared:
+    """A planned save: everything but the local write and the collective finalize."""
+
+    step: int
+    objective: str
+    generation: int
+    gen_dir: Path
+    parts: compat.DistAsyncParts | None  # None when planning failed on this rank
+    error: str | None = None
+
+
 class DistCheckpointer:
     """Save/load an adapter and its `DistributedOptimizer` with `dist_checkpointing` (collective).
 
     `model` is the Megatron module (inside DDP: `ddp.module`) whose `sharded_state_dict`
     names the LoRA tensors; `optimizer` is Megatron's (chained) distributed optimizer over it.
+    `save` is synchronous; `save_async` blocks only for planning and the in-memory snapshot
+    and writes, digests and commits on a background thread (collectives of that thread run
+    on a gloo group of its own). Saves are ordered: `save`, `save_async`, `load`, `wait` and
+    `close` first wait for a background save's commit.
     """
 
     def __init__(self, directory: Path, *, io: CheckpointIO | None = None) -> None:
         self.directory = Path(directory)
         self.io = io or CheckpointIO()
-        self.group = RankGroup(None)  # dist_checkpointing itself runs on the default group
+        self.group = RankGroup(None)  # dist_checkpointing itself plans on the default group
+        self._background_group: RankGroup | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future[DistManifest] | None = None
+        self._pending_step: int | None = None
 
     @staticmethod
     def _check_optimizer(optimizer: Any) -> None:
@@ -243,11 +299,75 @@ class DistCheckpointer:
 
     # ---- save ----------------------------------------------------------------------------
     def save(self, model: Any, optimizer: Any, *, step: int, objective: str) -> DistManifest:
-        from megatron.core import dist_checkpointing
+        """Write and commit a new generation (collective); returns its manifest. On failure
+        every rank raises `CheckpointSaveError` and the last committed generation stays."""
+        self._check_optimizer(optimizer)
+        self._check_step(step)
+        self.wait()
+        prepared = self._prepare(model, optimizer, step, objective, snapshot=False)
+        return self._write_and_commit(prepared, self.group)
 
+    def save_async(self, model: Any, optimizer: Any, *, step: int, objective: str) -> Future:
+        """Plan and snapshot a new generation now; write, digest and commit it in the
+        background (collective). Returns the save's future (its manifest).
+
+        Waits for the previous background save first and raises its error if it failed
+        (nothing new is queued then). When this returns, the caller may change the model and
+        optimizer: what is written is the state at the call. A crash before the commit leaves
+        the last committed generation.
+        """
+        self._check_optimizer(optimizer)
+        self._check_step(step)
+        self.wait()
+        if self._background_group is None:  # collective: every rank's first save_async
+            group = None
+            if dist.is_available() and dist.is_initialized():
+                group = dist.new_group(backend="gloo")
+            self._background_group = RankGroup(group)
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="dist-ckpt-async")
+        prepared = self._prepare(model, optimizer, step, objective, snapshot=True)
+        assert self._executor is not None
+        self._pending = self._executor.submit(
+            self._write_and_commit, prepared, self._background_group
+        )
+        self._pending_step = step
+        return self._pending
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step of a background save that was queued and has not been waited for."""
+        return self._pending_step
+
+    def wait(self) -> DistManifest | None:
+        """Wait for the background save's commit; its manifest, None if none was queued.
+        A failed background save raises here, once."""
+        pending, self._pending, self._pending_step = self._pending, None, None
+        if pending is None:
+            return None
+        return pending.result()
+
+    def close(self) -> DistManifest | None:
+        """Wait for the background save and stop the background thread."""
+        try:
+            return self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    @staticmethod
+    def _check_step(step: int) -> None:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        self._check_optimizer(optimizer)
+
+    def _prepare(
+        self, model: Any, optimizer: Any, step: int, objective: str, *, snapshot: bool
+    ) -> _Prepared:
+        """Pick the generation (rank 0), build the sharded state and let Megatron plan the
+        save (main thread: collectives on the default group). With `snapshot`, the tensors
+        this rank writes are copied to host memory before returning."""
+        from megatron.core import dist_checkpointing
+
         rank = self.group.rank
         plan: int | str = "unset"
         if rank == 0:
@@ -265,20 +385,53 @@ class DistCheckpointer:
         plan = self.group.broadcast_from_first(plan)
         if isinstance(plan, str):
             raise CheckpointSaveError(f"save of step {step} to {self.directory} failed: {plan}")
-        generation, gen_dir = plan, self.directory / generation_dir_name(plan)
-
-        metadata = self._metadata()
-        adapter = lora_sharded_state_dict(model, metadata)
-        state = {
-            "adapter": adapter,
-            "optimizer": optimizer.sharded_state_dict(adapter, metadata=metadata),
-        }
-        outcome: dict | str
+        gen_dir = self.directory / generation_dir_name(plan)
+        prepared = _Prepared(step, objective, plan, gen_dir, None)
         try:
-            with _hash_megatron_writes(gen_dir) as written:
-                dist_checkpointing.save(state, str(gen_dir))  # collective, fsyncs data files
-            outcome = dict(written)
-            if rank == 0:  # small metadata files Megatron writes itself: hash them here
+            metadata = self._metadata()
+            adapter = lora_sharded_state_dict(model, metadata)
+            state = {
+                "adapter": adapter,
+                "optimizer": optimizer.sharded_state_dict(adapter, metadata=metadata),
+            }
+            request = dist_checkpointing.save(
+                state, str(prepared.gen_dir), async_sharded_save=True, async_strategy="mcore"
+            )
+            parts = compat.dist_ckpt_async_parts(request)
+            if snapshot:
+                parts.write_buckets = _snapshot_buckets(parts.write_buckets)
+            prepared.parts = parts
+        except Exception as exc:
+            prepared.error = f"rank {rank}: {type(exc).__name__}: {exc}"
+        return prepared
+
+    def _write_and_commit(self, prepared: _Prepared, group: RankGroup) -> DistManifest:
+        """Write this rank's files (hashed on the way out), then finalize and commit over
+        `group` (the default group for `save`, the background group for `save_async`)."""
+        rank, gen_dir, step = group.rank, prepared.gen_dir, prepared.step
+        outcome: dict | str = prepared.error or {}
+        parts = prepared.parts
+        if parts is not None:
+            try:
+                with _hash_megatron_writes(gen_dir, self.io) as written:
+                    if parts.write_fn is not None:
+                        parts.write_fn(parts.rank, parts.write_buckets, parts.results_queue)
+                parts.write_buckets = []  # drop the snapshot before the collectives
+                outcome = dict(written)
+            except Exception as exc:
+                outcome = f"rank {rank}: {type(exc).__name__}: {exc}"
+            # Megatron's finalize gathers every rank's write results (also failures) and
+            # writes `.metadata` on the coordinator; it must run on every rank.
+            try:
+                parts.dist_wrapper.group = group.group
+                parts.finalize()
+                if rank == 0:
+                    compat.dist_ckpt_save_config(gen_dir)
+            except Exception as exc:
+                if not isinstance(outcome, str):
+                    outcome = f"rank {rank}: {type(exc).__name__}: {exc}"
+        if not isinstance(outcome, str) and rank == 0:
+            try:  # small metadata files Megatron writes itself: hash and fsync them here
                 for path in gen_dir.iterdir():
                     if path.name not in outcome and path.is_file():
                         with self.io.open_read(path) as f:
@@ -287,9 +440,9 @@ class DistCheckpointer:
                         with open(path, "rb+") as f:
                             self.io.fsync(f)
                 self.io.fsync_dir(gen_dir)
-        except Exception as exc:
-            outcome = f"rank {rank}: {type(exc).__name__}: {exc}"
-        outcomes = self.group.all_gather(outcome)
+            except Exception as exc:
+                outcome = f"rank {rank}: {type(exc).__name__}: {exc}"
+        outcomes = group.all_gather(outcome)  # every rank's files are durable past here
         failures = [o for o in outcomes if isinstance(o, str)]
         if failures:
             raise CheckpointSaveError(
@@ -300,10 +453,10 @@ class DistCheckpointer:
         for o in outcomes:
             files.update(o)
         manifest = DistManifest(
-            generation=generation,
+            generation=prepared.generation,
             step=step,
-            world_size=self.group.world_size,
-            objective=objective,
+            world_size=group.world_size,
+            objective=prepared.objective,
             files=tuple(DistFile(n, s, d) for n, (s, d) in sorted(files.items())),
         )
         commit = "ok"
@@ -321,7 +474,7 @@ class DistCheckpointer:
                 self._remove_others(manifest)
             except Exception as exc:
                 commit = f"rank 0 commit: {type(exc).__name__}: {exc}"
-        commit = self.group.broadcast_from_first(commit)
+        commit = group.broadcast_from_first(commit)
         if commit != "ok":
             raise CheckpointSaveError(
                 f"save of step {step} to {self.directory} failed: {commit}. The last committed "
@@ -345,6 +498,7 @@ class DistCheckpointer:
         from megatron.core import dist_checkpointing
 
         self._check_optimizer(optimizer)
+        self.wait()
         local: str = "ok"
         manifest = None
         try:
@@ -365,6 +519,7 @@ class DistCheckpointer:
             return None
         metadata = self._metadata()
         adapter = lora_sharded_state_dict(model, metadata)
+        _refuse_format1_gated_grouped(manifest, adapter, self.directory)
         targets = {k: v.data for k, v in adapter.items()}
         compat.distopt_init_state(optimizer)
         state = {
@@ -401,3 +556,24 @@ class DistCheckpointer:
                 f"{path}: size {size} / {WRITE_DIGEST} {got} does not match the manifest's "
                 f"{f.size} / {f.digest} {where}"
             )
+
+
+def _refuse_format1_gated_grouped(manifest: DistManifest, adapter: dict, directory: Path) -> None:
+    """Format 1 stored a gated grouped-expert FC1's LoRA B padded and in per-rank
+    [gate shard; up shard] order; format 2 stores [all gate; all up] (layout independent).
+    Both can have the same global shape, so such a format-1 checkpoint would load with gate
+    and up rows mixed: refuse it (every rank decides the same from the model)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if manifest.format_version != 1:
+        return
+    gated = sorted(
+        k for k, v in adapter.items() if isinstance(v, ShardedTensorFactory) and v.data.dim() == 3
+    )
+    if gated:
+        raise CheckpointFormatError(
+            f"{directory / MANIFEST_NAME}: format_version 1 stored the gated grouped-expert "
+            f"LoRA B ({gated[0]}{' and others' if len(gated) > 1 else ''}) in a per-rank "
+            "order this release does not read back safely; load it with the release that "
+            "wrote it and export the adapter to PEFT. Nothing was loaded."
+        )

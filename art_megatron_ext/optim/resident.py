@@ -96,7 +96,7 @@ class CheckpointLayout(enum.Enum):
 
     PER_RANK: one file per rank (`ShardedCheckpointer`); any optimizer; async saves; loads only
     at the saving layout. DIST: Megatron `dist_checkpointing` (`DistCheckpointer`); Megatron's
-    DistributedOptimizer only; synchronous; loads at any TP/DP layout.
+    DistributedOptimizer only; async saves; loads at any TP/DP layout.
     """
 
     PER_RANK = "per-rank"
@@ -165,17 +165,23 @@ class ResidentState:
         the previous background save first and raises its error if it failed.
         """
         if self.dist_checkpointer is not None:
-            raise ValueError(
-                "async saves need CheckpointLayout.PER_RANK; the dist_checkpointing layout "
-                "saves synchronously (use saver(async_save=False)). Nothing was saved."
+            self.dist_checkpointer.save_async(
+                _megatron_module(self.model),
+                self.optimizer,
+                step=step,
+                objective=self.key.objective,
             )
+            self.step = step
+            return
         if self._async is None:
             self._async = AsyncCheckpointer(self.checkpointer)
         self._async.save(self.state_dict(), step=step, objective=self.key.objective)
         self.step = step
 
-    def wait_for_saves(self) -> Manifest | None:
+    def wait_for_saves(self) -> Manifest | DistManifest | None:
         """Wait for a background save's commit (raises its error); None when none is queued."""
+        if self.dist_checkpointer is not None:
+            return self.dist_checkpointer.wait()
         return None if self._async is None else self._async.wait()
 
     def saver(
