@@ -163,8 +163,13 @@ class GroupedLoraSite(LoraSite):
         global expert axis (this rank's experts start at `expert_index`), the TP-split factor
         (column B rows, row A columns) also split over expert-TP. Replica ids follow
         Megatron's grouped expert weights: (0, expert-TP rank for the replicated factor else 0,
-        expert-DP rank). Tensors are saved padded: a checkpoint reloads at any expert-parallel
-        size, at the same expert-TP size and padding."""
+        expert-DP rank).
+
+        A column site's B is saved without its row padding (which depends on the expert-TP
+        size) and, for a gated FC1, as its gate and up halves (each rank holds [gate shard;
+        up shard]; the checkpoint holds [all gate; all up], as Megatron's swiglu factory
+        does for the FC1 weight). So a checkpoint reloads at any expert-parallel and
+        expert-TP size with the same rank padding."""
         from megatron.core import parallel_state
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -176,16 +181,23 @@ class GroupedLoraSite(LoraSite):
         if parallel_state.model_parallel_is_initialized():
             ep_size = parallel_state.get_expert_model_parallel_world_size()
             edp_rank = parallel_state.get_expert_data_parallel_rank()
-        first_fragment = i.expert_index // i.num_local_experts
+        expert_axis = (prepend, i.expert_index // i.num_local_experts, ep_size)
         entries = {}
         for name, adapter in self.slots.items():
             for factor, tensor in (("a", adapter.a), ("b", adapter.b)):
-                offsets = [(prepend, first_fragment, ep_size)]
+                key = f"{prefix}slots.{name}.{factor}"
+                offsets = [expert_axis]
                 tp_replica = i.tp_rank
                 if factor == split:
-                    offsets.append((prepend + split_axis, i.tp_rank, i.tp_size))
                     tp_replica = 0
-                key = f"{prefix}slots.{name}.{factor}"
+                    if column:
+                        tensor = tensor[:, : i.out_local]  # the logical rows
+                        if i.gated:
+                            entries[key] = _gated_rows_factory(
+                                key, tensor, sharded_offsets, expert_axis, i, (0, 0, edp_rank)
+                            )
+                            continue
+                    offsets.append((prepend + split_axis, i.tp_rank, i.tp_size))
                 entries[key] = ShardedTensor.from_rank_offsets(
                     key,
                     tensor,
@@ -196,6 +208,21 @@ class GroupedLoraSite(LoraSite):
                 )
         return entries
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A column B loaded from a dist checkpoint has the logical rows only (see
+        `sharded_state_dict`); pad it with zero rows to this rank's padded shape."""
+        if self.info.kind == GROUPED_COLUMN:
+            for name, adapter in self.slots.items():
+                key = f"{prefix}slots.{name}.b"
+                value = state_dict.get(key)
+                padded = adapter.b.shape
+                logical = isinstance(value, torch.Tensor) and value.dim() == 3
+                if logical and value.shape[1] == self.info.out_local < padded[1]:
+                    full = value.new_zeros(value.shape[0], padded[1], value.shape[2])
+                    full[:, : value.shape[1]] = value
+                    state_dict[key] = full
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def hook(self, module, args, kwargs, output):
         adapter = self.active_adapter()
         if adapter is None:
@@ -205,3 +232,36 @@ class GroupedLoraSite(LoraSite):
         out, bias = output
         backend = getattr(module, "grouped_gemm_backend", "auto")
         return out + self.delta(x, adapter, m_splits, backend).to(out.dtype), bias
+
+
+def _gated_rows_factory(key, tensor, sharded_offsets, expert_axis, info: SiteInfo, replica_id):
+    """A gated FC1's B `[E, gate_local + up_local, r]` as two shards of one global
+    `[E, gate + up, r]`: this rank's gate rows at fragment `tp_rank`, its up rows at
+    `tp_rank + tp_size` of `2 * tp_size` (the layout of Megatron's `apply_swiglu_sharded_factory`
+    for the FC1 weight, on the row axis after the expert axis)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    prepend = len(sharded_offsets)
+    rows_axis = prepend + 1
+
+    @torch.no_grad()
+    def build(key, t, replica_id, flattened_range):
+        gate, up = torch.chunk(t, 2, dim=1)
+        return [
+            ShardedTensor.from_rank_offsets(
+                key,
+                half,
+                *sharded_offsets,
+                expert_axis,
+                (rows_axis, fragment, 2 * info.tp_size),
+                replica_id=replica_id,
+                prepend_axis_num=prepend,
+            )
+            for half, fragment in ((gate, info.tp_rank), (up, info.tp_rank + info.tp_size))
+        ]
+
+    @torch.no_grad()
+    def merge(parts):
+        return torch.cat(parts, dim=1)
+
+    return ShardedTensorFactory(key, tensor, build, merge, replica_id)
