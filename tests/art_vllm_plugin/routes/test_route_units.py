@@ -88,3 +88,29 @@ def test_body_with_disagreeing_json_or_header_is_refused_with_the_reason():
     # the JSON never holds route arrays: only counts and spans
     text = json.dumps(split_body(body).completion)
     assert "routed_experts" not in text
+
+
+def test_art_routes_flag_turns_on_native_capture_and_tells_the_workers(monkeypatch):
+    import argparse
+
+    from art_vllm_plugin.cli import add_art_options
+    from art_vllm_plugin.routes import config
+
+    monkeypatch.setenv(config.ENV_VAR, "0")  # restored after the test (the flag sets it)
+    parser = argparse.ArgumentParser(prog="vllm serve")
+    add_art_options(parser)
+    assert parser.parse_args([]).art_routes is False
+    assert not config.selected()
+    args = parser.parse_args(["--art-routes"])
+    assert args.art_routes is True and args.enable_return_routed_experts is True
+    assert config.selected()  # exported for the EngineCore and worker processes
+
+
+def test_routes_size_limit_comes_from_the_environment(monkeypatch):
+    from art_vllm_plugin.routes import config
+
+    monkeypatch.setenv(config.MAX_BYTES_ENV, "4096")
+    assert config.max_body_bytes() == 4096
+    monkeypatch.setenv(config.MAX_BYTES_ENV, "lots")
+    with pytest.raises(ValueError, match="ART_VLLM_ROUTES_MAX_BYTES must be a positive integer"):
+        config.max_body_bytes()
