@@ -182,10 +182,16 @@ def export_ready(
     _check_args(slot, version, step)
     rank, world = _dist_world()
     final = version_dir(root, slot, version)
-    problem = _prepare(final, slot, version) if rank == 0 else None
+    problem: tuple[type[Exception], str] | None = None
+    if rank == 0:
+        try:
+            exists = _prepare(final, slot, version)
+            problem = (AdapterVersionExists, exists) if exists else None
+        except OSError as exc:  # e.g. an unwritable root: every rank must hear of it
+            problem = (OSError, f"cannot prepare {final.parent}: {exc}")
     problem = _from_rank0(problem, world)
     if problem is not None:
-        raise AdapterVersionExists(problem)
+        raise problem[0](problem[1])
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
     outcome: AdapterReady | str
     try:

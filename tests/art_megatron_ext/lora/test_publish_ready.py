@@ -229,6 +229,16 @@ def _two_rank_worker(rank: int, world_size: int, root: str) -> dict:
                 export_ready(model, "default", root, version=0, step=6, base_model_name_or_path="t")
             except AdapterVersionExists as exc:
                 out["refused"] = str(exc)
+            blocker = os.path.join(root, "blocker")  # a file where a directory must go
+            if rank == 0:
+                Path(blocker).write_text("")
+            torch.distributed.barrier()
+            try:
+                export_ready(
+                    model, "default", blocker, version=0, step=7, base_model_name_or_path="t"
+                )
+            except OSError as exc:
+                out["unwritable"] = str(exc)
             torch.distributed.barrier()
     finally:
         parallel_state.destroy_model_parallel()
@@ -255,3 +265,9 @@ def test_two_ranks_refuse_an_existing_version_together(two_ranks):
     _, results = two_ranks
     for r in results:  # both ranks raise (no rank left waiting in a gather)
         assert "v0 already exists" in r["refused"]
+
+
+def test_two_ranks_hear_of_an_unwritable_root_together(two_ranks):
+    _, results = two_ranks
+    for r in results:  # rank 0's failure reaches rank 1 (no rank left waiting)
+        assert "cannot prepare" in r["unwritable"] and "blocker" in r["unwritable"]
