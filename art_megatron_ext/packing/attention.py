@@ -14,8 +14,9 @@ import torch
 
 def tree_attention_mask(subtree_end: torch.Tensor) -> torch.Tensor:
     """`[..., seq]` subtree ends -> `[..., seq, seq]` bool mask, True where query i (dim -2)
-    may attend to key j (dim -1). Dense: meant for tests and small rows; a kernel should read
-    `subtree_end` directly (a flex-attention `mask_mod` is `j <= i & i < subtree_end[j]`)."""
+    may attend to key j (dim -1). Dense (1 GiB per 32k row): meant for tests and small rows.
+    Training reads `subtree_end` directly: `tree_attention.py` (the kernel) and `spec.py`
+    (its Megatron core-attention module)."""
     seq = subtree_end.shape[-1]
     query = torch.arange(seq, device=subtree_end.device).unsqueeze(-1)
     key = torch.arange(seq, device=subtree_end.device).unsqueeze(0)
