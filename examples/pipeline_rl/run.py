@@ -72,7 +72,7 @@ def server_config(cfg: LoopConfig) -> serve_process.ServeConfig:
     args = [
         *serve_process.tiny_lora_args(),
         "--dtype",
-        "float32",  # overrides tiny_lora_args' bfloat16 (argparse keeps the last)
+        cfg.server_dtype,  # overrides tiny_lora_args' bfloat16 (argparse keeps the last)
         "--lora-modules",
         f"{cfg.slot}={cfg.init_adapter}",
         "shadow=" + cfg.init_adapter,
@@ -107,7 +107,7 @@ def run(cfg: LoopConfig, args) -> dict:
     cfg.path.mkdir(parents=True, exist_ok=True)
     config_path = cfg.save()
     timings, pids = {}, {}
-    t0 = time.monotonic()
+    t0, t0_wall = time.monotonic(), time.time()
     trainer = subprocess.Popen(
         [args.train_python, str(HERE / "trainer.py"), str(config_path)],
         cwd=REPO,
@@ -148,7 +148,7 @@ def run(cfg: LoopConfig, args) -> dict:
     png = plot(cfg.path)
     timings["plot_s"] = time.monotonic() - t_plot
     timings["total_s"] = time.monotonic() - t0
-    return summarize(cfg, timings, png)
+    return summarize(cfg, timings, png, t0_wall)
 
 
 def _interrupt(signum, frame):

@@ -1,10 +1,13 @@
 """The toy verifiable task and GRPO group advantages (numpy only).
 
 Task: given a prompt of random token ids, write completion tokens from a fixed target set
-(every `target_every`-th id). Reward = share of completion tokens in the set, in [0, 1]. A
-randomly initialised model starts near the set's share of its sampling distribution; the
-policy only has to shift probability mass toward the set, which LoRA learns in a few dozen
-steps on CPU. The reward is computed from token ids alone (verifiable, no tokenizer).
+(every `target_every`-th id: 17 of the tiny model's 545 ids by default). Reward = share of
+completion tokens in the set, in [0, 1]. A randomly initialised model starts near the set's
+share of its sampling distribution (a few percent). The set is small on purpose: one shift of
+the final hidden state toward the sum of the targets' output-embedding rows raises all of
+them (random rows of a 128-wide model are nearly orthogonal), which LoRA learns in a few
+dozen steps on CPU; a quarter of the vocabulary cannot be raised together that way. The
+reward is computed from token ids alone (verifiable, no tokenizer).
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ What it does, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -67,7 +67,12 @@ def wait_for_server(run_dir: Path, timeout_s: float = 600) -> str:
 
 
 def build_policy(cfg: LoopConfig):
-    """Megatron GPT + HF base weights + LoRA slot `cfg.slot` loaded from `cfg.init_adapter`."""
+    """Megatron GPT + HF base weights + LoRA slot `cfg.slot` loaded from `cfg.init_adapter`.
+
+    `cfg.attention == "tree"`: core attention reads the packed prefix tree directly
+    (`art_megatron_ext.packing.tree_layer_spec`, no [S, S] mask; RoPE at each token's
+    logical position via `enable_tree_attention`). `"dense"`: Megatron's local attention with
+    the packer's dense tree mask and `LogicalRope` (fine at small S, O(S^2) memory)."""
     from art_megatron_ext.lora import attach_lora, import_peft
     from art_megatron_ext.lora.config import LoraConfig
     from art_megatron_ext.lora.hf_weights import load_hf_weights
@@ -75,19 +80,39 @@ def build_policy(cfg: LoopConfig):
 
     shape = GptShape.from_hf_config(cfg.hf_model)
     torch.manual_seed(cfg.seed)
-    model = build_gpt(shape, max_sequence_length=cfg.seq_len)
+    spec = None
+    if cfg.attention == "tree":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        from art_megatron_ext.packing import tree_layer_spec
+
+        spec = tree_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    model = build_gpt(shape, max_sequence_length=cfg.seq_len, layer_spec=spec)
     load_hf_weights(model, cfg.hf_model, shape)
     for p in model.parameters():
         p.requires_grad_(False)
     attach_lora(model, LoraConfig(rank=8, alpha=8.0, init_seed=cfg.seed, slot=cfg.slot))
     import_peft(model, cfg.slot, cfg.init_adapter)
-    model.rotary_pos_emb = LogicalRope(model.rotary_pos_emb)
+    if cfg.attention == "tree":
+        from art_megatron_ext.packing import enable_tree_attention
+
+        model = enable_tree_attention(model)
+    else:
+        model.rotary_pos_emb = LogicalRope(model.rotary_pos_emb)
     return model, shape
 
 
-def packed_logprobs(model, packed) -> torch.Tensor:
+def packed_logprobs(model, packed, attention: str) -> torch.Tensor:
     """[rows, seq] logprob of every token under the model, read at its predecessor's logits
-    (0 where a token has no predecessor: a trajectory's first token, padding)."""
+    (0 where a token is not trained: prompt tokens, padding)."""
+    if attention == "tree":
+        from art_megatron_ext.packing import TreePackedSeqParams, predecessor_logprobs
+
+        params = TreePackedSeqParams.from_batch(packed)
+        logits = model(packed.tokens, packed.input_pos, None, packed_seq_params=params)
+        return predecessor_logprobs(
+            logits, packed.tokens, packed.predecessor, packed.assistant_mask
+        )
     from art_megatron_ext.packing import tree_attention_mask
 
     blocked = ~tree_attention_mask(packed.subtree_end.long())[:, None]  # True = masked
@@ -97,7 +122,7 @@ def packed_logprobs(model, packed) -> torch.Tensor:
     pred = packed.predecessor.long().clamp(min=0)
     rows = torch.arange(logp.shape[0])[:, None]
     out = logp[rows, pred, packed.tokens]
-    return torch.where(packed.predecessor >= 0, out, torch.zeros_like(out))
+    return torch.where(packed.assistant_mask, out, torch.zeros_like(out))
 
 
 def grpo_loss(lp: torch.Tensor, packed, clip_eps: float) -> torch.Tensor:
@@ -112,44 +137,54 @@ def grpo_loss(lp: torch.Tensor, packed, clip_eps: float) -> torch.Tensor:
 
 
 class Publisher:
-    """Export the slot as PEFT and publish it in flight; runs on a thread so the optimizer
-    checkpoint is written meanwhile. `latest` is the newest version published or in flight
-    (what the rollout workers validate spans against)."""
+    """Export each version atomically (`export_ready`: temp dir, fsync, rename, manifest with
+    the content digest) and publish it in flight on a background thread
+    (`BackgroundPublisher` + `post_update`, digest included), so the optimizer checkpoint is
+    written while the server loads the version. `latest` is the newest version published or in
+    flight: what the rollout workers validate span versions against."""
 
-    def __init__(self, client, cfg: LoopConfig):
-        self.client = client
+    def __init__(self, url: str, cfg: LoopConfig):
+        from art_megatron_ext.lora.publish_ready import BackgroundPublisher, post_update
+
         self.cfg = cfg
+        self._post = post_update(url)
+        self._background = BackgroundPublisher(self._publish)
+        self._pending = None
+        self._t_trained = 0.0
         self.latest = 0
         self.published = 0
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
         self.last_ms = 0.0
 
+    def _publish(self, ready) -> dict:
+        if self.cfg.publish_slot != ready.slot:  # the broken-loop test's wrong slot
+            ready = dataclasses.replace(ready, slot=self.cfg.publish_slot)
+        receipt = self._post(ready)
+        self.published = ready.version
+        self.last_ms = (time.monotonic() - self._t_trained) * 1000
+        return receipt
+
     def start(self, model, version: int, t_trained: float) -> None:
-        from art_megatron_ext.lora import export_peft
+        from art_megatron_ext.lora.publish_ready import export_ready
 
-        out = self.cfg.path / "adapters" / f"v{version:04d}"
-        export_peft(model, self.cfg.slot, out, self.cfg.hf_model)  # temp names, then renames
+        ready = export_ready(
+            model,
+            self.cfg.slot,
+            self.cfg.path / "adapters",
+            version=version,
+            step=version,
+            base_model_name_or_path=self.cfg.hf_model,
+        )
         self.latest = version
-
-        def publish():
-            try:
-                self.client.update(self.cfg.publish_slot, str(out), version)
-                self.published = version
-                self.last_ms = (time.monotonic() - t_trained) * 1000
-            except BaseException as exc:
-                self._error = exc
-
-        self._thread = threading.Thread(target=publish, name="publish", daemon=True)
-        self._thread.start()
+        self._t_trained = t_trained
+        self._pending = self._background.submit(ready)
 
     def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()  # raises the publish's error
+
+    def close(self) -> None:
+        self._background.close()
 
 
 def take_batch(queue, workers, cfg: LoopConfig, current: int, target: int, task):
@@ -226,7 +261,6 @@ def main(config_path: str) -> int:
     from art_megatron_ext.optim.resident import ResidentKey, ResidentOptimizerStore
     from art_megatron_ext.optim.schedule import SaveSchedule
     from art_megatron_ext.packing import PackingConfig, pack_groups
-    from art_vllm_plugin.client import ArtClient
 
     cfg = LoopConfig.load(config_path)
     run_dir = cfg.path
@@ -237,7 +271,7 @@ def main(config_path: str) -> int:
             "gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1
         )
         parallel_state.initialize_model_parallel(1, 1)
-        workers = tuner = None
+        workers = tuner = publisher = None
         try:
             with cpu_megatron():
                 model, shape = build_policy(cfg)
@@ -246,7 +280,7 @@ def main(config_path: str) -> int:
                 state = store.acquire(
                     key, model, lambda params: torch.optim.Adam(params, lr=cfg.lr)
                 )
-                t_ready = time.monotonic()
+                t_ready, ready_at = time.monotonic(), time.time()
                 print(
                     f"[trainer] model ready in {t_ready - t_start:.1f}s "
                     f"(optimizer {state.residency.value}); waiting for the server",
@@ -254,9 +288,10 @@ def main(config_path: str) -> int:
                 )
                 url = wait_for_server(run_dir)
                 t_server = time.monotonic()
-                client = ArtClient(url, timeout=120)
-                publisher = Publisher(client, cfg)
-                task = TargetTokenTask(shape.vocab_size, cfg.prompt_len)
+                publisher = Publisher(url, cfg)
+                task = TargetTokenTask(
+                    shape.vocab_size, cfg.prompt_len, target_every=cfg.target_every
+                )
                 settings = {"workers": cfg.rollout_workers, "groups": cfg.groups_per_step}
                 queue = GroupQueue(cfg.queue_capacity)
                 if cfg.autotune:
@@ -293,7 +328,7 @@ def main(config_path: str) -> int:
                             PackingConfig(seq_len=cfg.seq_len, vocab_size=shape.vocab_size),
                         )
                         with activate_slot(model, cfg.slot):
-                            lp = packed_logprobs(model, packed)
+                            lp = packed_logprobs(model, packed, cfg.attention)
                             loss = grpo_loss(lp, packed, cfg.clip_eps)
                         loss.backward()
                         zero_lora_padding_(model, state.optimizer)
@@ -382,6 +417,7 @@ def main(config_path: str) -> int:
                     "optimizer_generation": None if manifest is None else manifest.generation,
                     "optimizer_step": None if manifest is None else manifest.step,
                     "model_ready_s": t_ready - t_start,
+                    "model_ready_at": ready_at,
                     "loop_s": time.monotonic() - t_server,
                     "rollout_requests": workers_requests,
                 }
@@ -393,6 +429,8 @@ def main(config_path: str) -> int:
                 workers.stop()
             if tuner is not None:
                 tuner.close()
+            if publisher is not None:
+                publisher.close()
             parallel_state.destroy_model_parallel()
             torch.distributed.destroy_process_group()
     return 0
