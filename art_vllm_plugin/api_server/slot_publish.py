@@ -144,7 +144,13 @@ async def publish(
         await _settle_commits(engine_client, engines, results, token, slot, version, keeps)
         committed = True
         receipts = [
-            {"engine": e.dp_rank, "step": r["step"], "version": version, "digest": digest}
+            {
+                "engine": e.dp_rank,
+                "step": r["step"],
+                "version": version,
+                "digest": digest,
+                "workers": r["workers"],
+            }
             for e, r in zip(engines, results, strict=True)
         ]
         return PublishResult(
@@ -189,8 +195,8 @@ async def _settle_commits(engine_client, engines, results, token, slot, version,
         reverted_text = f" engines {[e.dp_rank for e in ok]} reverted;" if ok else ""
         raise PublishError(
             500,
-            f"the update failed to commit on every engine ({errors});{reverted_text} every "
-            f"engine and worker is back on its previous weights; {keeps}",
+            f"the engine failed to commit the update ({errors});{reverted_text} every worker "
+            f"restored its previous weights on every engine; {keeps}",
         )
     raise PublishError(
         503,

@@ -174,6 +174,7 @@ def art_commit_lora_update(
         "engine_ms": commit_s * 1000.0,
         "stall_ms": (staged.stall_s + commit_s) * 1000.0,
         "inflight_batches": compat.engine_inflight_batches(self),
+        "workers": sorted(r["rank"] for r in results),
         "versions": dict(state.versions),
         "resalted_waiting": resalted,
     }

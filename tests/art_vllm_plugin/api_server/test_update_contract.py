@@ -97,7 +97,9 @@ def test_response_has_one_receipt_and_the_digest(server, tiny_adapters):
     body = resp.json()
     digest = digest_dir(tiny_adapters / "b")
     assert body["digest"] == digest and body["previous_version"] == v - 1
-    assert body["receipts"] == [{"engine": 0, "step": body["step"], "version": v, "digest": digest}]
+    assert body["receipts"] == [
+        {"engine": 0, "step": body["step"], "version": v, "digest": digest, "workers": [0]}
+    ]
     s = slot(server)
     assert (s["version"], s["digest"]) == (v, digest)
     metrics = httpx.get(server.url + "/art/metrics", timeout=60).json()

@@ -1,0 +1,293 @@
+"""Data parallelism: `vllm serve --data-parallel-size 2` (two EngineCores, each with its own
+worker, and by default two API-server processes) runs on this CPU host, so these tests use it.
+
+- an update commits on both engines (a receipt from each) or on neither;
+- requests served by either engine carry the right tokens and spans;
+- a staging (prepare) failure on one engine, and a commit failure on one engine after the other
+  committed, leave both engines on the old version (test-only fault hook, `ART_TEST_HOOKS=1`);
+- both API servers answer `/art/v1/slots` identically and validate aliases the same way right
+  after an update returned through the other one; replay and compare-and-swap hold across them.
+
+Which API server answers is the kernel's choice (they share one listening socket), so the
+tests open persistent connections until they hold one to each (`api_server_clients`).
+Which engine serves a request is vLLM's load balancer's choice; that both served is read from
+vLLM's own per-engine Prometheus counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+
+import httpx
+import pytest
+
+from art_vllm_plugin import serve_process
+from art_vllm_plugin.adapter_digest import digest_dir
+
+PROMPT = "the policy model learns from the reward and the trainer sends"
+MAX_TOKENS = 8
+#: Persistent connections opened at most while looking for one to each API server.
+MAX_CONNECTIONS = 64
+
+
+def _two_cpus() -> str:
+    cpus = sorted(os.sched_getaffinity(0))
+    return f"{cpus[0]}|{cpus[1 % len(cpus)]}"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tiny_adapters, server_log):
+    config = serve_process.ServeConfig(
+        model=str(tiny_model),
+        args=(
+            *serve_process.tiny_lora_args(max_loras=2),
+            "--data-parallel-size",
+            "2",
+            "--lora-modules",
+            f"policy={tiny_adapters / 'a'}",
+            f"ref_b={tiny_adapters / 'b'}",
+            "--art-adapter-root",
+            str(tiny_adapters),
+        ),
+        # One OpenMP core per engine's worker (vLLM cannot pick two NUMA nodes on this host).
+        env={"ART_TEST_HOOKS": "1", "VLLM_CPU_OMP_THREADS_BIND": _two_cpus()},
+        log_path=server_log,
+        startup_timeout_s=600.0,  # four processes importing vLLM on two cores
+    )
+    with serve_process.serving(config) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def api_servers(server):
+    """Two clients, each holding one connection to a different API-server process."""
+    clients, by_pid = [], {}
+    try:
+        while len(by_pid) < 2 and len(clients) < MAX_CONNECTIONS:
+            c = httpx.Client(
+                base_url=server.url, timeout=300, limits=httpx.Limits(max_connections=1)
+            )
+            clients.append(c)
+            pid = c.get("/art/v1/capabilities").json()["api_server"]["pid"]
+            by_pid.setdefault(pid, c)
+        assert len(by_pid) == 2, (
+            f"{len(clients)} connections all reached API server(s) {sorted(by_pid)}"
+        )
+        yield list(by_pid.values())
+    finally:
+        for c in clients:
+            c.close()
+
+
+@pytest.fixture(scope="module")
+def refs(server):
+    """Greedy tokens of adapter a (policy at start) and b (ref_b) on this server."""
+    return {
+        "a": complete(server.url, "policy")["token_ids"],
+        "b": complete(server.url, "ref_b")["token_ids"],
+    }
+
+
+def complete(url: str, model: str) -> dict:
+    resp = httpx.post(
+        url + "/v1/completions",
+        json={
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+        timeout=300,
+    )
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]
+
+
+async def _many(url: str, model: str, n: int) -> list[httpx.Response]:
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(n)))
+
+
+def engine_generation_tokens(url: str) -> dict[str, float]:
+    """vLLM's `vllm:generation_tokens_total` per engine label."""
+    text = httpx.get(url + "/metrics", timeout=60).text
+    out: dict[str, float] = {}
+    for labels, value in re.findall(r"^vllm:generation_tokens_total\{([^}]*)\} (\S+)", text, re.M):
+        engine = re.search(r'engine="(\d+)"', labels)
+        if engine:
+            out[engine[1]] = out.get(engine[1], 0.0) + float(value)
+    return out
+
+
+def slots(client) -> dict:
+    return {s["slot"]: s for s in client.get("/art/v1/slots").json()}
+
+
+def post_update(client, **body) -> httpx.Response:
+    return client.post("/art/v1/lora/update", json=body)
+
+
+def version(client) -> int:
+    return slots(client)["policy"]["version"]
+
+
+def both_engines_at(client, v: int, digest: str) -> None:
+    engines = slots(client)["policy"]["engines"]
+    assert engines == [
+        {"engine": 0, "version": v, "digest": digest},
+        {"engine": 1, "version": v, "digest": digest},
+    ]
+
+
+def test_update_lands_on_both_engines_with_a_receipt_from_each(api_servers, tiny_adapters):
+    a, _ = api_servers
+    v = version(a) + 1
+    resp = post_update(a, slot="policy", path=str(tiny_adapters / "b"), version=v)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    digest = digest_dir(tiny_adapters / "b")
+    assert [r["engine"] for r in body["receipts"]] == [0, 1]
+    assert all(r["version"] == v and r["digest"] == digest for r in body["receipts"])
+    assert body["step"] == body["receipts"][0]["step"]
+    both_engines_at(a, v, digest)
+
+
+def test_both_api_servers_agree_right_after_an_update(api_servers, tiny_adapters):
+    a, b = api_servers
+    for via, other in ((a, b), (b, a)):
+        v = version(via) + 1
+        resp = post_update(via, slot="policy", path=str(tiny_adapters / "a"), version=v)
+        assert resp.status_code == 200, resp.text
+        assert other.get("/art/v1/slots").json() == via.get("/art/v1/slots").json()
+        assert slots(other)["policy"]["version"] == v
+        m_via = via.get("/art/metrics").json()["slots"]["policy"]
+        m_other = other.get("/art/metrics").json()["slots"]["policy"]
+        assert m_via == m_other and m_other["version"] == v
+        body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+        fresh = other.post("/v1/completions", json={**body, "model": f"policy@{v}"})
+        assert fresh.status_code == 200, fresh.text
+        stale = other.post("/v1/completions", json={**body, "model": f"policy@{v - 1}"})
+        assert stale.status_code == 409, stale.text
+        assert f"current is policy@{v}" in stale.text
+
+
+def test_requests_served_by_each_engine_carry_the_new_weights_and_spans(
+    server, api_servers, tiny_adapters, refs
+):
+    a, _ = api_servers
+    assert refs["a"] != refs["b"]
+    v = version(a) + 1
+    assert (
+        post_update(a, slot="policy", path=str(tiny_adapters / "b"), version=v).status_code == 200
+    )
+    before = engine_generation_tokens(server.url)
+    responses = asyncio.run(_many(server.url, "policy", 8))
+    after = engine_generation_tokens(server.url)
+    served = {e for e in after if after[e] > before.get(e, 0.0)}
+    assert served == {"0", "1"}, f"per-engine generation tokens before {before}, after {after}"
+    for resp in responses:
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        assert choice["token_ids"] == refs["b"]
+        assert choice["policy_spans"] == [
+            {"start": 0, "end": MAX_TOKENS, "slot": "policy", "version": v}
+        ]
+
+
+def _arm(client, kind: str, engine: int) -> None:
+    resp = client.post("/art/v1/test/fault", json={"kind": kind, "rank": 0, "engine": engine})
+    assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize(("kind", "engine"), [("stage", 1), ("stage", 0), ("commit", 1)])
+def test_a_failure_on_one_engine_leaves_every_engine_on_the_old_version(
+    server, api_servers, tiny_adapters, refs, kind, engine
+):
+    """`stage`: engine `engine`'s worker fails to prepare, so no engine commits. `commit`:
+    engine 1's worker fails its commit after engine 0 committed, so engine 0 reverts."""
+    a, b = api_servers
+    v = version(a) + 1
+    assert (
+        post_update(a, slot="policy", path=str(tiny_adapters / "a"), version=v).status_code == 200
+    )
+    digest_a = digest_dir(tiny_adapters / "a")
+    _arm(a, kind, engine)
+    resp = post_update(a, slot="policy", path=str(tiny_adapters / "b"), version=v + 1)
+    assert resp.status_code == 500, resp.text
+    msg = resp.json()["error"]["message"]
+    assert f"keeps serving version {v}" in msg
+    if kind == "commit":
+        assert "engines [0] reverted" in msg
+    for client in (a, b):
+        both_engines_at(client, v, digest_a)
+    for resp in asyncio.run(_many(server.url, "policy", 8)):
+        choice = resp.json()["choices"][0]
+        assert choice["token_ids"] == refs["a"]
+        assert [s["version"] for s in choice["policy_spans"]] == [v]
+    # nothing is left armed or reserved: the next update goes through everywhere
+    ok = post_update(b, slot="policy", path=str(tiny_adapters / "b"), version=v + 1)
+    assert ok.status_code == 200, ok.text
+    both_engines_at(a, v + 1, digest_dir(tiny_adapters / "b"))
+
+
+async def _race(clients, bodies):
+    def one(client, body):
+        return client.post("/art/v1/lora/update", json=body)
+
+    return await asyncio.gather(
+        *(asyncio.to_thread(one, c, b) for c, b in zip(clients, bodies, strict=True))
+    )
+
+
+def test_racing_through_both_api_servers_with_the_same_expected_version_one_wins(
+    api_servers, tiny_adapters
+):
+    a, b = api_servers
+    current = version(a)
+    bodies = [
+        {
+            "slot": "policy",
+            "path": str(tiny_adapters / name),
+            "version": current + 1 + i,
+            "expected_version": current,
+            "operation_id": f"dp-race-{name}-{time.time_ns()}",
+        }
+        for i, name in enumerate(("a", "b"))
+    ]
+    responses = asyncio.run(_race([a, b], bodies))
+    assert sorted(r.status_code for r in responses) == [200, 409], [r.text for r in responses]
+    winner = next(r for r in responses if r.status_code == 200).json()
+    assert version(a) == version(b) == winner["version"]
+    both_engines_at(b, winner["version"], winner["digest"])
+
+
+def test_an_operation_replayed_through_the_other_api_server_is_not_reapplied(
+    api_servers, tiny_adapters
+):
+    a, b = api_servers
+    body = {
+        "slot": "policy",
+        "path": str(tiny_adapters / "a"),
+        "version": version(a) + 1,
+        "operation_id": f"dp-replay-{time.time_ns()}",
+    }
+    first = post_update(a, **body)
+    assert first.status_code == 200, first.text
+    updates = slots(a)["policy"]
+    again = post_update(b, **body)
+    assert again.status_code == 200, again.text
+    assert again.json() == {**first.json(), "replayed": True}
+    assert slots(b)["policy"] == updates
