@@ -89,7 +89,7 @@ def _groups(seed: int):
     return groups + [make_multi_turn_group(rng, turns=4) for _ in range(6)]
 
 
-def _build(spec):
+def _build(spec, recompute=False):
     from art_megatron_ext.lora.tiny_gpt import GptShape, build_gpt
 
     shape = GptShape(
@@ -103,7 +103,7 @@ def _build(spec):
         max_position_embeddings=SEQ,
     )
     torch.manual_seed(0)
-    return build_gpt(shape, layer_spec=spec, max_sequence_length=SEQ)
+    return build_gpt(shape, layer_spec=spec, max_sequence_length=SEQ, recompute=recompute)
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -118,6 +118,7 @@ def _worker(rank: int, world_size: int, seed: int) -> dict:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from support.megatron_cpu import cpu_shim, megatron_parallel
 
+    from art_megatron_ext.lora.cpu_runtime import cpu_megatron
     from art_megatron_ext.packing import (
         TreeAttentionConfig,
         TreePackedSeqParams,
@@ -175,6 +176,19 @@ def _worker(rank: int, world_size: int, seed: int) -> dict:
                 part.backward()
                 expected += float(part)
         out["alone_loss"], alone = expected, _grads(plain_model)
+
+        # Full activation recompute (Megatron re-runs each layer in backward, params and all).
+        # cpu_megatron: the checkpoint saves and restores the CUDA RNG state, absent here.
+        with cpu_megatron():
+            recomputed = enable_tree_attention(_build(tree_layer_spec(local), recompute=True))
+            recomputed.load_state_dict(tree_model.state_dict(), strict=True)
+            logits = recomputed(batch.tokens, batch.input_pos, None, packed_seq_params=params)
+            logp = predecessor_logprobs(
+                logits, batch.tokens, batch.predecessor, batch.assistant_mask
+            )
+            (logp * scale).sum().backward()
+        again = _grads(recomputed)
+        out["recompute_error"] = max(float((again[n] - packed[n]).abs().max()) for n in packed)
         assert packed.keys() == alone.keys()
         biggest = max(float(g.abs().max()) for g in alone.values())
         out["grad_error"] = max(float((packed[n] - alone[n]).abs().max()) for n in alone) / biggest
@@ -240,6 +254,10 @@ def test_packed_loss_equals_trajectories_run_alone(result):
 
 def test_packed_gradients_equal_trajectories_run_alone(result):
     assert result["grad_error"] <= GRAD_TOLERANCE, result
+
+
+def test_full_activation_recompute_gives_the_same_gradients(result):
+    assert result["recompute_error"] <= 1e-6, result
 
 
 def test_the_oracle_sees_a_causal_mask_across_branches(result):
