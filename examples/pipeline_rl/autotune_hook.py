@@ -4,11 +4,19 @@ The tuner polls the real server's `/art/metrics` once a second on its own thread
 `StepRecord` per training step from the loop; after its warm-up, every `window_steps` steps it
 decides the rollout workers (active worker threads), the groups per step (target, min, max)
 and the queue capacity. The loop applies the settings before the next step and prints the
-decision (or "hold"/"warm-up") on the step's line. Strict metrics contract: a missing or stale
-`/art/metrics` field stops the loop with the tuner's error naming it.
+decision (or "hold"/"warm-up") on the step's line.
+
+Metrics contract: `--autotune-on-bad-metrics raise` (the library's default) stops the loop with
+the tuner's error naming a missing or stale `/art/metrics` field. The example defaults to the
+opt-in "hold": on a loaded 2-core host a `/art/metrics` answer can take seconds; the loop keeps
+training, the tuner keeps its settings for that window and the step line says "degraded" with
+the reason. A poll that fails (timeout, connection) is skipped, so the metric goes stale and
+the decision reports exactly that, instead of the poll thread's error stopping the loop.
 """
 
 from __future__ import annotations
+
+import threading
 
 import httpx
 
@@ -18,7 +26,7 @@ from art_vllm_plugin.autotune import Autotuner, GroupShape, Settings, StepRecord
 class LoopTuner:
     def __init__(self, cfg, url: str):
         self.cfg = cfg
-        self._http = httpx.Client(base_url=url, timeout=5)
+        self._http = httpx.Client(base_url=url, timeout=10)
         config = TunerConfig(
             max_rollout_workers=cfg.max_rollout_workers,
             policy_age_limit=cfg.max_policy_age,
@@ -28,6 +36,7 @@ class LoopTuner:
             max_queue_capacity=32,
             warmup_steps=3,
             window_steps=3,
+            on_bad_metrics=cfg.autotune_on_bad_metrics,
             seed=cfg.seed,
         )
         groups = cfg.groups_per_step
@@ -40,16 +49,26 @@ class LoopTuner:
                 target_groups=groups,
                 queue_capacity=cfg.queue_capacity,
             ),
-            fetch=self._fetch,
             profile_path=cfg.path / "autotune_profile.json",
         )
-        self.tuner.poll()
-        self.tuner.start_polling()
+        self.poll_failures = 0
+        self._stop = threading.Event()
+        self._poll()
+        self._thread = threading.Thread(target=self._poll_loop, name="autotune-poll", daemon=True)
+        self._thread.start()
 
-    def _fetch(self) -> dict:
-        resp = self._http.get("/art/metrics")
-        resp.raise_for_status()
-        return resp.json()
+    def _poll(self) -> None:
+        try:
+            resp = self._http.get("/art/metrics")
+            resp.raise_for_status()
+        except httpx.HTTPError:
+            self.poll_failures += 1  # skipped: the metrics age, the decision says so
+            return
+        self.tuner.observe(resp.json())
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self.tuner.config.poll_interval_s):
+            self._poll()
 
     def step(self, rec: dict, accepted, packed, settings: dict, queue) -> str:
         """Feed one step; apply the (possibly new) settings; return what to print."""
@@ -86,6 +105,9 @@ class LoopTuner:
             return "warm-up" if self._warming(rec["step"]) else "collecting window"
         decision = self.tuner.decisions[-1]
         moves = ", ".join(f"{k} {a}->{b}" for k, (a, b) in decision.changed.items())
+        if decision.degraded:
+            why = "; ".join(str(v) for v in decision.reasons.values())[:160]
+            return f"hold (degraded: {why})"
         return moves or "hold"
 
     def _warming(self, step: int) -> bool:
@@ -99,7 +121,8 @@ class LoopTuner:
         ]
 
     def close(self) -> None:
-        self.tuner.stop_polling()
+        self._stop.set()
+        self._thread.join(timeout=30)
         self._http.close()
 
 

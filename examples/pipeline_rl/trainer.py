@@ -423,6 +423,7 @@ def main(config_path: str) -> int:
                 }
                 if tuner is not None:
                     summary["autotune_decisions"] = tuner.decisions()
+                    summary["autotune_poll_failures"] = tuner.poll_failures
                 (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         finally:
             if workers is not None:

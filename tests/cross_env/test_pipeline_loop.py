@@ -23,7 +23,9 @@ so the thresholds leave room for it:
 - no process of the server's or the trainer's process group outlives the driver;
 - `--autotune` (issue 17 item 3, on the wrong-slot run, whose reward cannot move anyway): the
   tuner, fed by the real server's `/art/metrics` and the loop's step records, decided after
-  its warm-up, each step's line shows its state, and its profile was saved.
+  its warm-up, each step's line shows its state, and its profile was saved. The loop runs the
+  tuner in its opt-in "hold" mode (a slow `/art/metrics` on a loaded host gives a degraded
+  window that keeps the settings and says why, instead of stopping training).
 
 Not covered yet: a lease evaluation (`slot@N` exact leases are not in this tree yet).
 """
