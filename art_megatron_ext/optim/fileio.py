@@ -202,15 +202,12 @@ def load_and_digest(path: str, size: int, *, weights_only: bool, name: str = WRI
 
     Why: a separate verification pass reads every byte a second time; with no free core for
     a helper thread it costs as much as the load. Here `torch.load(mmap=True)` maps the file
-    (it reads only the pickle and the zip directory), then one in-order pass copies each
-    storage from the mapping into private memory in 1 MiB pieces and hashes every piece from
-    the copy while it is in cache; the bytes between storages (zip headers, the pickle) are
-    read with `pread` for the digest. The tensors are then re-pointed at the private copies,
-    so nothing stays mapped: the digest covers exactly the bytes the state holds.
-
-    `path` must not be truncated while this runs (a mapped page past the end raises SIGBUS);
-    checkpoint files are never written in place (they are renamed into place), and the
-    caller checks the size first.
+    only to learn the structure (it reads the pickle and the zip directory; no tensor page is
+    touched), then one in-order pass reads each storage with `pread` into private memory in
+    1 MiB pieces, the same copy `torch.load` makes, and hashes every piece right after, while
+    it is in cache; the bytes between storages (zip headers, the pickle) are read with
+    `pread` for the digest. The tensors are then re-pointed at the private copies, so nothing
+    stays mapped: the digest covers exactly the bytes the state holds.
     """
     import torch
 
@@ -242,12 +239,12 @@ def load_and_digest(path: str, size: int, *, weights_only: bool, name: str = WRI
                 if ptr - base != offset or storage.nbytes() != nbytes:
                     raise ValueError(f"{path}: storage at {offset} is not where torch mapped it")
                 hash_file_range(position, offset)
-                mapped = torch.empty(0, dtype=torch.uint8).set_(storage)
                 private = torch.empty(nbytes, dtype=torch.uint8)
+                memory = memoryview(private.numpy())
                 for start in range(0, nbytes, _HOT_CHUNK):
-                    piece = private[start : start + _HOT_CHUNK]
-                    piece.copy_(mapped[start : start + _HOT_CHUNK])
-                    hasher.update(piece.numpy())
+                    piece = memory[start : start + _HOT_CHUNK]
+                    got = os.preadv(fd, [piece], offset + start)
+                    hasher.update(piece[:got])  # short only if truncated: a mismatch
                 copy = private.untyped_storage()
                 for t in tensors:
                     t.set_(copy, t.storage_offset(), t.size(), t.stride())
