@@ -33,6 +33,7 @@ N_VERSIONS = 20
 KILL_BEFORE = 8  # replica KILLED is stopped right before this publish
 KILLED = 2
 PROMPT = "the trainer publishes a new policy and every replica"
+PAUSE_S = 0.1  # between traffic requests: steady traffic that leaves the 2 cores some room
 RETRY = RetryPolicy(
     deadline_s=180.0, attempt_timeout_s=120.0, backoff_initial_s=0.1, max_attempts=4
 )
@@ -49,6 +50,9 @@ def _config(tiny_model, tiny_adapters, log_path) -> serve_process.ServeConfig:
             f"policy={tiny_adapters / 'a'}",
         ),
         log_path=log_path,
+        # Three servers, traffic and a restart share 2 cores (and the other jobs of a shared
+        # host): start-up has taken over 300 s here. A ceiling, not a timed assertion.
+        startup_timeout_s=900.0,
     )
 
 
@@ -142,6 +146,7 @@ class Traffic:
                 error = f"{type(exc).__name__}: {exc}"
             with self._lock:
                 self.records.append(Sent(url, phase, self.phase, error))
+            self._stop.wait(PAUSE_S)
 
     def sent(self) -> list[Sent]:
         with self._lock:
