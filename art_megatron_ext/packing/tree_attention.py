@@ -124,11 +124,17 @@ def _scores(q, k, keys, queries, subtree_end_row, scale):
 
 
 class _TreeAttentionFunction(torch.autograd.Function):
-    """q, k, v `[rows, heads, seq, dim]` (same heads) -> out `[rows, heads, seq, dim]`."""
+    """q `[rows, heads, seq, dim]`, k and v `[rows, kv_heads, seq, dim]` -> out like q.
+
+    Grouped-query heads are never repeated: a tile stacks the `group = heads / kv_heads`
+    query heads that share a kv head along the query axis (`[kv_heads, group * block, dim]`),
+    as Megatron's `repeat_interleave` pairs them (query head h reads kv head h // group)."""
 
     @staticmethod
     def forward(ctx, q, k, v, subtree_end, plan: TreePlan, scale: float, chunk_keys: int):
         rows, heads, seq, dim = q.shape
+        kv_heads = k.shape[1]
+        group = heads // kv_heads
         dev, acc_dtype = q.device, _acc_dtype(q.dtype)
         out = torch.empty_like(q)
         lse = torch.empty(rows, heads, seq, dtype=acc_dtype, device=dev)
@@ -136,11 +142,14 @@ class _TreeAttentionFunction(torch.autograd.Function):
         for r in range(rows):
             for qb, key_blocks in enumerate(plan.key_blocks[r]):
                 q0, q1 = qb * plan.block, min(seq, (qb + 1) * plan.block)
-                queries = torch.arange(q0, q1, device=q.device)
-                qt = q[r, :, q0:q1]
-                best = torch.full((heads, q1 - q0, 1), -math.inf, dtype=acc_dtype, device=dev)
-                total = torch.zeros(heads, q1 - q0, 1, dtype=acc_dtype, device=dev)
-                acc = torch.zeros(heads, q1 - q0, dim, dtype=acc_dtype, device=dev)
+                rows_in_tile = group * (q1 - q0)
+                queries = torch.arange(q0, q1, device=dev).repeat(group)
+                qt = q[r, :, q0:q1].reshape(kv_heads, rows_in_tile, dim)
+                best = torch.full(
+                    (kv_heads, rows_in_tile, 1), -math.inf, dtype=acc_dtype, device=dev
+                )
+                total = torch.zeros(kv_heads, rows_in_tile, 1, dtype=acc_dtype, device=dev)
+                acc = torch.zeros(kv_heads, rows_in_tile, dim, dtype=acc_dtype, device=dev)
                 for keys in _tiles(plan, key_blocks, chunk_keys, dev):
                     scores = _scores(qt, k[r][:, keys], keys, queries, ends[r], scale)
                     new_best = torch.maximum(best, scores.amax(-1, keepdim=True))
@@ -152,8 +161,8 @@ class _TreeAttentionFunction(torch.autograd.Function):
                     acc = acc * rescale + torch.matmul(probs, v[r][:, keys].to(acc_dtype))
                     best = new_best
                 # every query sees itself (subtree_end[i] > i): total > 0
-                out[r, :, q0:q1] = (acc / total).to(q.dtype)
-                lse[r, :, q0:q1] = (best + torch.log(total)).squeeze(-1)
+                out[r, :, q0:q1] = (acc / total).reshape(heads, q1 - q0, dim).to(q.dtype)
+                lse[r, :, q0:q1] = (best + torch.log(total)).reshape(heads, q1 - q0)
         ctx.save_for_backward(q, k, v, out, lse, ends)
         ctx.plan, ctx.scale, ctx.chunk_keys = plan, scale, chunk_keys
         return out
@@ -162,7 +171,9 @@ class _TreeAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, ends = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
-        rows, seq = q.shape[0], q.shape[2]
+        rows, heads, seq, dim = q.shape
+        kv_heads = k.shape[1]
+        group = heads // kv_heads
         acc_dtype = _acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
@@ -172,15 +183,20 @@ class _TreeAttentionFunction(torch.autograd.Function):
         for r in range(rows):
             for qb, key_blocks in enumerate(plan.key_blocks[r]):
                 q0, q1 = qb * plan.block, min(seq, (qb + 1) * plan.block)
-                queries = torch.arange(q0, q1, device=q.device)
-                qt, go = q[r, :, q0:q1], grad_out[r, :, q0:q1]
-                row_lse, row_delta = lse[r, :, q0:q1, None], delta[r, :, q0:q1, None]
+                shape = (kv_heads, group * (q1 - q0), -1)
+                queries = torch.arange(q0, q1, device=q.device).repeat(group)
+                qt, go = q[r, :, q0:q1].reshape(shape), grad_out[r, :, q0:q1].reshape(shape)
+                row_lse, row_delta = (
+                    lse[r, :, q0:q1].reshape(shape),
+                    delta[r, :, q0:q1].reshape(shape),
+                )
                 for keys in _tiles(plan, key_blocks, ctx.chunk_keys, q.device):
                     kt, vt = k[r][:, keys].to(acc_dtype), v[r][:, keys].to(acc_dtype)
                     probs = torch.exp(_scores(qt, kt, keys, queries, ends[r], scale) - row_lse)
                     dv[r].index_add_(1, keys, torch.matmul(probs.transpose(-1, -2), go))
                     dscores = probs * (torch.matmul(go, vt.transpose(-1, -2)) - row_delta)
-                    dq[r, :, q0:q1] += torch.matmul(dscores, kt) * scale
+                    dq_tile = torch.matmul(dscores, kt) * scale
+                    dq[r, :, q0:q1] += dq_tile.reshape(heads, q1 - q0, dim)
                     dk[r].index_add_(
                         1, keys, torch.matmul(dscores.transpose(-1, -2), qt.to(acc_dtype)) * scale
                     )
@@ -218,8 +234,5 @@ def tree_attention(
         raise ValueError(
             f"plan is for {len(plan.key_blocks)} x {plan.seq_len} rows, not {rows} x {seq}"
         )
-    if heads != k.shape[1]:  # autograd sums the repeated heads' gradients back
-        k = k.repeat_interleave(heads // k.shape[1], dim=1)
-        v = v.repeat_interleave(heads // v.shape[1], dim=1)
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     return _TreeAttentionFunction.apply(q, k, v, subtree_end, plan, scale, config.chunk_keys)
