@@ -352,8 +352,8 @@ def _output_buffers(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if out is None:
         # numpy, not torch.empty: numpy asks the kernel for transparent huge pages on large
-        # arrays (madvise), which cuts first-touch page faults of a fresh 0.5 GB tensor ~20x
-        # and its CPU time about 2x here (bench/route_pipeline.py); torch.from_numpy shares it.
+        # arrays (madvise), which cuts first-touch page faults of a fresh 0.5 GB tensor ~170x
+        # and its CPU time about 1.8x here (bench/route_pipeline.py); torch.from_numpy shares it.
         routes = torch.from_numpy(np.empty((batch, seq_len, num_layers, topk), dtype=dtype))
         return routes, torch.empty((batch, seq_len), dtype=torch.bool)
     routes, mask = out.routes, out.padding_mask
