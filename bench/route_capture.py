@@ -4,8 +4,9 @@
    (requests through `/art/v1/completions` with `return_routes`, routes decoded by the client)
    against the same server configuration without `--art-routes` (plain `/v1/completions`),
    same load: --concurrency requests of --max-tokens tokens (ignore_eos), --rounds rounds.
-   Servers run one at a time in the order base, routes, base (ABA), so drift on a shared host
-   shows up as the gap between the two base runs. Goal: routes / base >= 0.95.
+   Both servers run at once and the rounds alternate (base, routes, base, ...), so each pair
+   of rounds sees the same load on a shared host; the median per-pair ratio is reported.
+   Goal: routes / base >= 0.95.
 2. Transport, for the same routes: bytes per route-bearing token and server encode + client
    decode time of
    - ours: route bundle + `application/vnd.art.routes` body (server) and
@@ -77,19 +78,29 @@ async def _round(url: str, routes: bool, args, seed: int) -> tuple[int, float, l
     return sum(tokens for tokens, _ in results), elapsed, [r for _, r in results]
 
 
-def throughput(routes: bool, args, log_dir: Path) -> tuple[float, list]:
-    config = serve_process.ServeConfig(
-        model=str(MODEL),
-        args=_args(routes),
-        log_path=log_dir / f"route_capture_{'routes' if routes else 'base'}.log",
-    )
-    rates, last = [], []
-    with serve_process.serving(config) as srv:
-        asyncio.run(_round(srv.url, routes, args, seed=999))  # warm-up
+def throughput(args, log_dir: Path) -> tuple[list[float], list[float], list]:
+    """Both servers up at once; rounds alternate base, routes, base, routes, ... so each pair
+    of rounds sees the same host load. Returns the per-round tok/s of each and the last
+    round's decoded routed completions."""
+    configs = [
+        serve_process.ServeConfig(
+            model=str(MODEL),
+            args=_args(routes),
+            log_path=log_dir / f"route_capture_{'routes' if routes else 'base'}.log",
+        )
+        for routes in (False, True)
+    ]
+    base_rates, route_rates, last = [], [], []
+    with serve_process.serving(configs[0]) as base, serve_process.serving(configs[1]) as routed:
+        for srv, routes in ((base, False), (routed, True)):
+            asyncio.run(_round(srv.url, routes, args, seed=999))  # warm-up
         for r in range(args.rounds):
-            tokens, elapsed, last = asyncio.run(_round(srv.url, routes, args, seed=r))
-            rates.append(tokens / elapsed)
-    return statistics.median(rates), last
+            for srv, routes, rates in ((base, False, base_rates), (routed, True, route_rates)):
+                tokens, elapsed, results = asyncio.run(_round(srv.url, routes, args, seed=r))
+                rates.append(tokens / elapsed)
+                if routes:
+                    last = results
+    return base_rates, route_rates, last
 
 
 def _median(fn, repeats):
@@ -178,7 +189,7 @@ def _fmt(name: str, t: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -190,14 +201,13 @@ def main() -> None:
     args.log_dir.mkdir(parents=True, exist_ok=True)
 
     if not args.skip_servers:
-        base_a, _ = throughput(False, args, args.log_dir)
-        with_routes, routed = throughput(True, args, args.log_dir)
-        base_b, _ = throughput(False, args, args.log_dir)
-        base = (base_a + base_b) / 2
+        base_rates, route_rates, routed = throughput(args, args.log_dir)
+        ratios = [r / b for r, b in zip(route_rates, base_rates, strict=True)]
         print(
-            f"throughput tok/s: base {base_a:.1f} / {base_b:.1f}, with routes {with_routes:.1f}: "
-            f"routes/base {with_routes / base:.3f} (vs each base: {with_routes / base_a:.3f}, "
-            f"{with_routes / base_b:.3f})"
+            f"throughput tok/s per round: base {[round(x, 1) for x in base_rates]}, routes "
+            f"{[round(x, 1) for x in route_rates]}; routes/base per pair "
+            f"{[round(x, 3) for x in ratios]}, median {statistics.median(ratios):.3f}, "
+            f"totals {sum(route_rates) / sum(base_rates):.3f}"
         )
         served = [np.array(r.routes[0]) for r in routed]
         print(_fmt("served routes", transport(served, routed[0].num_experts, args.repeats)))
