@@ -110,6 +110,54 @@ def test_routes_are_the_experts_the_router_selected(server, moe_model, hf_model)
     np.testing.assert_array_equal(rows[clear], experts[clear])
 
 
+def test_concurrent_requests_in_one_batch_each_get_their_own_rows(server, moe_model, hf_model):
+    """Requests batched together: each row lands at its own request's positions."""
+    import asyncio
+
+    prompts = [_prompt(20 + i, 17 + 9 * i) for i in range(3)]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        server.url + "/art/v1/completions",
+                        json={
+                            "model": moe_model,
+                            "prompt": p,
+                            "max_tokens": 16,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                            "return_token_ids": True,
+                            "return_routes": True,
+                        },
+                    )
+                    for p in prompts
+                )
+            )
+
+    for prompt, resp in zip(prompts, asyncio.run(run()), strict=True):
+        assert resp.status_code == 200, resp.text
+        routed = decode_routed_completion(resp.content)
+        ids = prompt + routed.completion["choices"][0]["token_ids"]
+        experts, clear = _hf_router_topk(hf_model, ids[:-1])
+        assert routed.routes[0].shape[0] == len(ids) - 1
+        assert clear.mean() > 0.8
+        np.testing.assert_array_equal(routed.routes[0][clear], experts[clear])
+
+
+def test_without_return_routes_the_answer_is_plain_json_without_route_arrays(server, moe_model):
+    resp = httpx.post(
+        server.url + "/art/v1/completions",
+        json={"model": moe_model, "prompt": [5, 6, 7], "max_tokens": 3},
+        timeout=120,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    choice = resp.json()["choices"][0]
+    assert "routed_experts" not in choice and choice["policy_spans"][-1]["end"] == 3
+
+
 def test_partly_cached_prompt_gets_the_routes_of_the_forward_that_computed_it(server, moe_model):
     head, tail = _prompt(2, 2 * BLOCK), _prompt(3, 20)
     salt = {"cache_salt": "routes-prefix"}
