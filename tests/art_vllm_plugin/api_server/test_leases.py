@@ -150,6 +150,11 @@ def leased(server, root):
     return resp.json()
 
 
+def test_capabilities_report_exact_leases(server):
+    features = call(server, "GET", "/art/v1/capabilities").json()["features"]
+    assert features["exact_leases"]["enabled"] is True
+
+
 def test_lease_answers_with_its_model_name_and_digest(leased, root):
     assert leased["model"] == "policy@1" and leased["version"] == 1
     assert leased["digest"].startswith("xxh3-128:")
