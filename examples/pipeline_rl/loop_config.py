@@ -31,6 +31,7 @@ class LoopConfig:
     attention: str = "tree"  # "tree": tree core attention (no S x S mask); "dense": mask
     lr: float = 5e-2
     clip_eps: float = 0.2
+    lease_eval_step: int = 3  # pin version N after step N, evaluate it exactly (0: off)
     save_interval: int = 5  # optimizer checkpoint every N steps (and on the final step)
     seed: int = 0
     server_dtype: str = "float32"  # the trainer computes in float32; bfloat16 breaks parity

@@ -80,6 +80,8 @@ def server_config(cfg: LoopConfig) -> serve_process.ServeConfig:
         cfg.run_dir,
         "--max-num-seqs",
         "64",
+        "--max-cpu-loras",
+        "4",  # policy, shadow and the lease's pinned copy stay resident
     ]
     return serve_process.ServeConfig(
         model=cfg.hf_model, args=tuple(args), log_path=cfg.path / "server.log"

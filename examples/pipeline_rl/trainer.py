@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from lease_eval import LeaseEvaluation
 from loop_config import LoopConfig
 from rollouts import GroupQueue, RolloutWorkers
 from stats import ratio_stats, score, step_line, token_ages
@@ -271,7 +272,7 @@ def main(config_path: str) -> int:
             "gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1
         )
         parallel_state.initialize_model_parallel(1, 1)
-        workers = tuner = publisher = None
+        workers = tuner = publisher = lease = None
         try:
             with cpu_megatron():
                 model, shape = build_policy(cfg)
@@ -313,6 +314,8 @@ def main(config_path: str) -> int:
                     active=lambda: settings["workers"],
                     seed=cfg.seed,
                 )
+                eval_rng = np.random.default_rng([cfg.seed, 999])
+                eval_prompts = [task.prompt(eval_rng) for _ in range(4)]
                 workers.start()
                 metrics = (run_dir / "metrics.jsonl").open("w")
                 version, t_prev, saved = 0, time.monotonic(), []
@@ -359,6 +362,11 @@ def main(config_path: str) -> int:
                             saved.append(step)
                         publisher.join()
                         version = step
+                        if step == cfg.lease_eval_step:
+                            lease = LeaseEvaluation(
+                                url, cfg.publish_slot, eval_prompts, cfg.completion_len
+                            )
+                            lease.start(step)
                         now = time.monotonic()
                         groups = len(accepted)
                         trained = [r for _, keep, _ in accepted for r, _ in keep]
@@ -406,6 +414,9 @@ def main(config_path: str) -> int:
                         metrics.write(json.dumps(rec) + "\n")
                         metrics.flush()
                 metrics.close()
+                lease_result = None
+                if lease is not None:  # the slot moved on; version N must not have
+                    lease_result = lease.finish(publisher.published)
                 workers_requests = workers.requests
                 workers.stop()
                 workers = None
@@ -420,6 +431,7 @@ def main(config_path: str) -> int:
                     "model_ready_at": ready_at,
                     "loop_s": time.monotonic() - t_server,
                     "rollout_requests": workers_requests,
+                    "lease_eval": lease_result,
                 }
                 if tuner is not None:
                     summary["autotune_decisions"] = tuner.decisions()
@@ -432,6 +444,8 @@ def main(config_path: str) -> int:
                 tuner.close()
             if publisher is not None:
                 publisher.close()
+            if lease is not None:
+                lease.close()
             parallel_state.destroy_model_parallel()
             torch.distributed.destroy_process_group()
     return 0

@@ -27,7 +27,9 @@ so the thresholds leave room for it:
   tuner in its opt-in "hold" mode (a slow `/art/metrics` on a loaded host gives a degraded
   window that keeps the settings and says why, instead of stopping training).
 
-Not covered yet: a lease evaluation (`slot@N` exact leases are not in this tree yet).
+- a lease evaluation is exact: version 3 pinned after step 3 (`POST /art/v1/leases`), evaluated
+  greedily on `policy@3` then and again after step 24 gives the same tokens, every span says
+  version 3, the moved slot's greedy tokens differ, and the lease is released.
 """
 
 from __future__ import annotations
@@ -151,3 +153,11 @@ def test_autotune_decides_in_the_loop(wrong_slot):
     assert (out / "autotune_profile.json").exists()
     for r in records_of(out):
         assert {"rollout_workers", "target_groups", "queue_capacity"} <= set(r["settings"])
+
+
+def test_lease_evaluation_is_exact(good):
+    summary = json.loads((good[1] / "summary.json").read_text())
+    lease = summary["lease_eval"]
+    assert lease["model"] == "policy@3" and lease["slot_version_at_end"] == STEPS
+    assert lease["span_versions"] == [3]
+    assert lease["exact"] and lease["differs_from_moved_slot"] and lease["released"]
