@@ -192,6 +192,8 @@ class _Watch:
 # different checkpointers may overlap, each in its own directory).
 _WATCHED: dict[Path, _Watch] = {}
 _WATCH_LOCK = threading.Lock()
+_NO_OPEN = object()  # the writer module had no `open` of its own (it uses the builtin)
+_SAVED_OPEN: list[Any] = []
 
 
 def _hashing_open(file, mode="r", *args, **kwargs):
@@ -214,6 +216,7 @@ def _hash_megatron_writes(directory: Path, io: CheckpointIO) -> Iterator[dict[st
     watch = _Watch(io, {})
     with _WATCH_LOCK:
         if not _WATCHED:
+            _SAVED_OPEN[:] = [module.__dict__.get("open", _NO_OPEN)]
             module.open = _hashing_open
         _WATCHED[directory] = watch
     try:
@@ -222,7 +225,11 @@ def _hash_megatron_writes(directory: Path, io: CheckpointIO) -> Iterator[dict[st
         with _WATCH_LOCK:
             del _WATCHED[directory]
             if not _WATCHED:
-                del module.open
+                (saved,) = _SAVED_OPEN
+                if saved is _NO_OPEN:
+                    del module.open
+                else:
+                    module.open = saved
 
 
 def lora_sharded_state_dict(model: Any, metadata: dict) -> dict:
