@@ -27,6 +27,7 @@ through one API server would not exist in the others).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import inspect
 import logging
@@ -139,7 +140,11 @@ class LeaseManager:
         self.copies: dict[str, PinnedCopy] = {}  # name (slot@N) -> copy
         self.leases: dict[str, Lease] = {}
         self.tearing_down = 0
-        self.lease_dir = Path(tempfile.mkdtemp(prefix=f"art-leases-{os.getpid()}-"))
+        # Created with the first copy (`_write_copy`); each copy is removed when released.
+        self.lease_dir = (
+            Path(tempfile.gettempdir()) / f"art-leases-{os.getpid()}-{secrets.token_hex(4)}"
+        )
+        atexit.register(shutil.rmtree, self.lease_dir, True)  # copies die with the server
         self._lock = asyncio.Lock()
         self._reaper: asyncio.Task | None = None
         self._teardowns: set[asyncio.Task] = set()
