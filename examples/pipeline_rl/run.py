@@ -70,7 +70,7 @@ def server_config(cfg: LoopConfig) -> serve_process.ServeConfig:
     fresh-token ratios 1 up to kernel rounding), slot `policy` (and `shadow`, the wrong slot a
     test publishes to) starting from the trainer's initial adapter, adapters from RUN_DIR."""
     args = [
-        *serve_process.tiny_lora_args(),
+        *serve_process.tiny_lora_args(max_loras=3),  # policy, shadow and a lease in one batch
         "--dtype",
         cfg.server_dtype,  # overrides tiny_lora_args' bfloat16 (argparse keeps the last)
         "--lora-modules",
@@ -99,6 +99,19 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 20) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
+
+
+def wait_group_gone(pgid: int, timeout_s: float = 30) -> None:
+    """Return once no process of group `pgid` is left (SIGKILLed children take a moment to be
+    reaped); say so if some outlive `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    say(f"process group {pgid} still has processes after {timeout_s:.0f}s")
 
 
 def run(cfg: LoopConfig, args) -> dict:
@@ -145,6 +158,8 @@ def run(cfg: LoopConfig, args) -> dict:
         stop_group(trainer)
         if server is not None:
             server.stop()
+        for pgid in pids.values():  # the driver returns only when none of them is left
+            wait_group_gone(pgid)
         (cfg.path / "pids.json").write_text(json.dumps(pids))
     t_plot = time.monotonic()
     png = plot(cfg.path)

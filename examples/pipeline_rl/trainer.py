@@ -414,12 +414,12 @@ def main(config_path: str) -> int:
                         metrics.write(json.dumps(rec) + "\n")
                         metrics.flush()
                 metrics.close()
-                lease_result = None
-                if lease is not None:  # the slot moved on; version N must not have
-                    lease_result = lease.finish(publisher.published)
                 workers_requests = workers.requests
                 workers.stop()
                 workers = None
+                lease_result = None
+                if lease is not None:  # the slot moved on; version N must not have
+                    lease_result = lease.finish(publisher.published)
                 manifest = state.checkpointer.committed()
                 summary = {
                     "steps": cfg.steps,
