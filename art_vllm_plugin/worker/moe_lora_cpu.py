@@ -1,0 +1,98 @@
+"""LoRA on a mixture-of-experts model in the CPU build, for adapters that leave the experts out.
+
+Why: vLLM 0.32 builds every `FusedMoE` layer with `is_lora_enabled = lora_config is not None`,
+and with that flag `select_unquantized_moe_backend` picks the Triton LoRA experts, which the
+CPU build does not have: `--enable-lora` on any MoE model fails at start there, even when no
+adapter touches an expert. When `--lora-target-modules` leaves the experts out, vLLM never
+wraps them (`LoRAModelManager` skips modules outside the targets), so the experts are plain
+experts and the CPU MoE kernel serves them exactly. This module clears the flag in that case
+only, and refuses what it cannot serve, each with its own message:
+
+- `--enable-lora` on a MoE model without `--lora-target-modules`, or with targets that name
+  the experts: the server does not start (the message names the flag);
+- an adapter with expert weights (loaded at start, by `/v1/load_lora_adapter` or by a slot
+  update): refused at load, so its expert deltas are never silently dropped.
+
+Scope: installed by `features.activate_all` (the art plugin is selected) and acting on the
+CPU platform only; elsewhere vLLM's own LoRA experts serve.
+"""
+
+from __future__ import annotations
+
+import re
+
+from art_vllm_plugin import compat
+
+_MARK = "__art_moe_lora_cpu__"
+#: A module name inside a MoE experts block (`model.layers.1.mlp.experts[.0.gate_proj]`).
+_EXPERTS = re.compile(r"(^|\.)experts(\.|$)")
+
+
+class MoeLoraRefused(ValueError):
+    """LoRA on this MoE model cannot be served by the CPU build as configured."""
+
+
+def experts_targeted(target_modules) -> bool:
+    """Whether `--lora-target-modules` (None: every supported module) reaches the experts."""
+    if target_modules is None:
+        return True
+    return any(_EXPERTS.search(name) for name in target_modules)
+
+
+def expert_modules(names) -> list[str]:
+    return [n for n in names if _EXPERTS.search(n)]
+
+
+def _applies(vllm_config) -> bool:
+    return (
+        vllm_config is not None and vllm_config.lora_config is not None and compat.is_cpu_platform()
+    )
+
+
+def install(fused_moe_config_cls, lora_model_manager_cls) -> None:
+    """Wrap `FusedMoEConfig.__post_init__` and `LoRAModelManager._validate_moe_lora_format`
+    (idempotent)."""
+    post_init = fused_moe_config_cls.__post_init__
+    if not getattr(post_init, _MARK, False):
+
+        def moe_post_init(self) -> None:
+            post_init(self)
+            if not self.is_lora_enabled:
+                return
+            vllm_config = compat.current_vllm_config_or_none()
+            if not _applies(vllm_config):
+                return
+            targets = vllm_config.lora_config.target_modules
+            if experts_targeted(targets):
+                raise MoeLoraRefused(
+                    "--enable-lora on a mixture-of-experts model in the CPU build needs "
+                    "--lora-target-modules that leave out the experts (the CPU build has no "
+                    "LoRA MoE kernel; vLLM would need Triton), e.g. --lora-target-modules "
+                    f"q_proj k_proj v_proj o_proj; got {targets!r}"
+                )
+            # The experts are never wrapped by LoRA (outside the targets): serve them with
+            # the CPU MoE kernel instead of the Triton LoRA experts.
+            self.is_lora_enabled = False
+
+        setattr(moe_post_init, _MARK, True)
+        moe_post_init.__wrapped__ = post_init
+        fused_moe_config_cls.__post_init__ = moe_post_init
+
+    validate = lora_model_manager_cls._validate_moe_lora_format
+    if not getattr(validate, _MARK, False):
+
+        def validate_format(self, lora_model) -> None:
+            if compat.is_cpu_platform() and not expert_modules(compat.lora_modules(self)):
+                experts = expert_modules(compat.lora_model_module_names(lora_model))
+                if experts:
+                    raise MoeLoraRefused(
+                        f"adapter (LoRA id {lora_model.id}) has weights for MoE experts "
+                        f"({experts[0]}, {len(experts)} in all); this CPU server applies LoRA "
+                        "to non-expert modules only (--lora-target-modules), so it refuses "
+                        "the adapter instead of dropping those weights"
+                    )
+            validate(self, lora_model)
+
+        setattr(validate_format, _MARK, True)
+        validate_format.__wrapped__ = validate
+        lora_model_manager_cls._validate_moe_lora_format = validate_format

@@ -1,0 +1,44 @@
+"""`--enable-lora` on the tiny MoE model in the CPU build without `--lora-target-modules` that
+leave out the experts is refused at start, naming the flag (`worker/moe_lora_cpu.py`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from art_vllm_plugin import serve_process
+
+pytestmark = pytest.mark.serve
+
+
+@pytest.mark.parametrize("targets", [(), ("q_proj", "experts")], ids=["no-targets", "experts"])
+def test_moe_lora_without_expert_free_targets_refuses_to_start(targets, server_log):
+    from support.vllm_server import TINY, tiny_paths
+
+    tiny_paths()
+    targets_args = ("--lora-target-modules", *targets) if targets else ()
+    config = serve_process.ServeConfig(
+        model=str(TINY / "moe"),
+        args=(
+            *("--dtype", "float32", "--enforce-eager", "--max-model-len", "256"),
+            *("--gpu-memory-utilization", "0.2", "--enable-lora", "--max-lora-rank", "8"),
+            *targets_args,
+        ),
+        log_path=server_log,
+        startup_timeout_s=420,  # a refused start still loads the model (slow on a busy host)
+    )
+    with pytest.raises(serve_process.ServerStartError) as refused:
+        serve_process.start(config)
+    text = str(refused.value) + server_log.read_text(errors="replace")
+    assert "needs --lora-target-modules that leave out the experts" in text
+
+
+def test_which_targets_reach_the_experts():
+    from art_vllm_plugin.worker.moe_lora_cpu import expert_modules, experts_targeted
+
+    assert experts_targeted(None)  # no --lora-target-modules: every supported module
+    assert experts_targeted(["q_proj", "experts"])
+    assert experts_targeted(["model.layers.1.mlp.experts"])
+    assert not experts_targeted(["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert not experts_targeted(["shared_experts_gate"])
+    names = ["model.layers.1.mlp.experts.0.gate_proj", "model.layers.1.self_attn.q_proj"]
+    assert expert_modules(names) == names[:1]
