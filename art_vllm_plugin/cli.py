@@ -82,6 +82,19 @@ class CpuLayoutAction(argparse.Action):
         os.environ[ENV_VAR] = values
 
 
+class RoutesAction(argparse.Action):
+    """`--art-routes`: capture MoE routes (native `--enable-return-routed-experts` where the
+    runner has it, the plugin's worker hook on the CPU build). Exported as ART_VLLM_ROUTES=1
+    so the worker processes install their hook; see `art_vllm_plugin.routes.config`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from art_vllm_plugin.routes.config import ENV_VAR
+
+        setattr(namespace, self.dest, True)
+        namespace.enable_return_routed_experts = True
+        os.environ[ENV_VAR] = "1"
+
+
 def add_art_options(parser: argparse.ArgumentParser) -> None:
     """The art plugin's own serve options (inert unless the plugin is selected)."""
     if "--art-adapter-root" in parser._option_string_actions:
@@ -111,6 +124,16 @@ def add_art_options(parser: argparse.ArgumentParser) -> None:
         help="CPU hosts with few cores: `auto` (default) lets EngineCore share the worker's "
         "core so the API server keeps a core of its own (answers /health and updates during "
         "generation); `off` leaves vLLM's layout. Env override: ART_VLLM_CPU_LAYOUT.",
+    )
+    group.add_argument(
+        "--art-routes",
+        nargs=0,
+        action=RoutesAction,
+        dest="art_routes",
+        default=False,
+        help="Capture the MoE experts every token was routed to (MoE models only; vLLM's "
+        "native capture where available, the plugin's worker hook on the CPU build) and serve "
+        "them on /art/v1/completions and /art/v1/chat/completions with return_routes.",
     )
 
 

@@ -122,6 +122,35 @@ async def call_engine_utility(engine_client, method: str, *args):
     return await engine_client.engine_core.call_utility_async(method, *args)
 
 
+# --- Every DP engine from one API server (`v1/engine/core_client.py`, vLLM 0.32) ----------
+# `AsyncMPClient.call_utility_async` reaches `core_engine` (engine 0) only; the DP load-balancing
+# client returns the first engine's answer only. `core_engines` holds the ZMQ identity of each
+# engine this client manages (`engine_ranks_managed`, their DP ranks), and
+# `_call_utility_async(method, *args, engine=identity)` reaches exactly one of them.
+def engine_targets(engine_client) -> list[tuple[int, object]]:
+    """(dp_rank, engine identity) of every engine this API server manages, engine 0 first."""
+    core = engine_client.engine_core
+    return list(zip(core.engine_ranks_managed, core.core_engines, strict=True))
+
+
+async def call_engine_utility_on(engine_client, identity, method: str, *args):
+    """Run an EngineCore method on one engine (by identity from `engine_targets`)."""
+    return await engine_client.engine_core._call_utility_async(method, *args, engine=identity)
+
+
+def dp_load_balancing_mode(vllm_config) -> str | None:
+    """None without data parallelism; else 'internal', 'external' or 'hybrid'
+    (`ParallelConfig.data_parallel_external_lb` / `data_parallel_hybrid_lb`)."""
+    parallel = vllm_config.parallel_config
+    if parallel.data_parallel_size <= 1:
+        return None
+    if parallel.data_parallel_external_lb:
+        return "external"
+    if parallel.data_parallel_hybrid_lb:
+        return "hybrid"
+    return "internal"
+
+
 def max_lora_rank(engine_client) -> int:
     return engine_client.vllm_config.lora_config.max_lora_rank
 
@@ -349,3 +378,157 @@ def engine_dead_error_class():
     from vllm.v1.engine.exceptions import EngineDeadError
 
     return EngineDeadError
+
+
+# --- MoE routes (`--art-routes`): native AuxOutput pieces and the V1 CPU runner --------------
+def vllm_config_class():
+    """`vllm.config.VllmConfig`; `_verify_aux_output_compatibility` refuses AuxOutput (routed
+    experts) unless Model Runner V2 serves."""
+    from vllm.config import VllmConfig
+
+    return VllmConfig
+
+
+def routes_use_worker_path(vllm_config) -> bool:
+    """True when the V1 runner of the CPU platform serves: the plugin's worker capture fills
+    the native routed-experts output there (MRV2, if ever used on CPU, has its own)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() and not vllm_config.use_v2_model_runner
+
+
+def cpu_v1_model_runner_class():
+    """`vllm.v1.worker.cpu_model_runner.CPUModelRunner` (a V1 `GPUModelRunner`): its
+    `execute_model` runs the forward, `sample_tokens` returns the `ModelRunnerOutput`."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    return CPUModelRunner
+
+
+def aux_request_output(token_start: int, rows):
+    """`AuxRequestOutput(token_start, rows)`: what the scheduler's `take_output` slices
+    (`distributed/aux_output_connector/connector.py`)."""
+    from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
+
+    return AuxRequestOutput(token_start, rows)
+
+
+def bind_route_capture(model, capture) -> list[int]:
+    """Attach `capture(layer_id, topk_ids)` to every MoE router of `model` through vLLM's own
+    `bind_routed_experts_capturer` (`fused_moe/routed_experts_capturer.py`; routers call it in
+    `BaseRouter.select_experts` with the logical ids, before EPLB mapping). Returns the MoE
+    layer ids, ascending."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+        bind_routed_experts_capturer,
+    )
+
+    layer_ids = sorted({m.layer_id for m in model.modules() if isinstance(m, MoERunner)})
+    bind_routed_experts_capturer(model, capture)
+    return layer_ids
+
+
+def runner_request_block_ids(runner, req_id: str) -> list[int]:
+    """KV block ids of a request in the V1 runner (`requests[req_id].block_ids`, group 0)."""
+    return runner.requests[req_id].block_ids[0]
+
+
+def runner_batch(runner) -> tuple[list[str], object]:
+    """(request ids in batch order, computed-token counts at the start of this step): the
+    V1 `InputBatch.req_ids` / `num_computed_tokens_cpu`; the batch's tokens are laid out in
+    this order (`_prepare_inputs`)."""
+    batch = runner.input_batch
+    return batch.req_ids, batch.num_computed_tokens_cpu
+
+
+def runner_kv_layout(runner) -> tuple[int, int, int]:
+    """(number of KV cache groups, blocks per group, scheduler block size) of the V1 runner."""
+    config = runner.kv_cache_config
+    return len(config.kv_cache_groups), config.num_blocks, runner.cache_config.block_size
+
+
+def aux_output_metadata(scheduler_output):
+    """The scheduler's per-step AuxOutput metadata (`requests`: id -> first row to emit)."""
+    return getattr(scheduler_output, "aux_output_connector_metadata", None)
+
+
+def set_aux_output(model_runner_output, outputs: dict) -> None:
+    model_runner_output.aux_output_connector_output = outputs
+
+
+def completion_request_class():
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return CompletionRequest
+
+
+def chat_request_class():
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest
+
+
+def serving_handlers(app_state) -> tuple[object, object]:
+    """(completion, chat) serving objects the stock routes use (`app.state`)."""
+    return (
+        getattr(app_state, "openai_serving_completion", None),
+        getattr(app_state, "openai_serving_chat", None),
+    )
+
+
+def num_experts(vllm_config) -> int:
+    return vllm_config.model_config.get_num_experts()
+
+
+# --- Exact leases: LoRA capacity, fresh ids, requests using an id (vLLM 0.32) -----------------
+def lora_capacity(vllm_config) -> tuple[int, int]:
+    """(`max_loras`, `max_cpu_loras`) of the LoRA config (`max_cpu_loras` defaults to
+    `max_loras`, `config/lora.py`)."""
+    cfg = vllm_config.lora_config
+    return int(cfg.max_loras), int(cfg.max_cpu_loras or cfg.max_loras)
+
+
+def next_lora_int_id(serving_models) -> int:
+    """A fresh LoRA id from the API server's counter (`OpenAIServingModels.lora_id_counter`,
+    the one `load_lora_adapter` draws from), so it never collides with vLLM's own ids."""
+    return serving_models.lora_id_counter.inc(1)
+
+
+def scheduler_requests_with_lora(scheduler, lora_int_id: int) -> int:
+    """How many unfinished requests (`Scheduler.requests`: waiting, running, in a batch in
+    flight) use LoRA id `lora_int_id`."""
+    return sum(
+        1
+        for r in scheduler.requests.values()
+        if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id
+    )
+
+
+# --- LoRA on a MoE model in the CPU build (vLLM 0.32, `fused_moe/oracle/unquantized.py`) -----
+# `FusedMoE` builds `FusedMoEConfig(is_lora_enabled=vllm_config.lora_config is not None)`, and
+# `select_unquantized_moe_backend` then picks the Triton LoRA experts, which the CPU build lacks.
+def fused_moe_config_class():
+    """`FusedMoEConfig`; its `__post_init__` runs while the model is built."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+
+    return FusedMoEConfig
+
+
+def current_vllm_config_or_none():
+    """The config of the model being built (`get_current_vllm_config_or_none`)."""
+    from vllm.config.vllm import get_current_vllm_config_or_none
+
+    return get_current_vllm_config_or_none()
+
+
+def lora_model_manager_class():
+    """`LoRAModelManager`; `_validate_moe_lora_format(lora_model)` runs on every adapter read
+    by `_load_adapter` (stock loads and the plugin's slot updates alike)."""
+    from vllm.lora.model_manager import LoRAModelManager
+
+    return LoRAModelManager
+
+
+def lora_model_module_names(lora_model) -> list[str]:
+    """Module names an adapter carries weights for (`LoRAModel.loras`)."""
+    return sorted(lora_model.loras)

@@ -24,6 +24,9 @@ class ServerFacts:
     cpu_layout_cpus: tuple[int, ...] | None = None
     #: Slots refused for updates (e.g. a hub id instead of a local directory): name -> reason.
     refused_slots: tuple[tuple[str, str], ...] = ()
+    #: How routes are captured: "native" (vLLM MRV2), "worker" (the plugin's CPU worker hook),
+    #: or None when the server was started without --art-routes.
+    routes_capture: str | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,10 @@ def _needs_cpu_layout(facts: ServerFacts) -> str | None:
     return "not applied: --art-cpu-layout off, not a CPU host, or enough cores (see README)"
 
 
+def _needs_routes(facts: ServerFacts) -> str | None:
+    return None if facts.routes_capture else "the server was started without --art-routes"
+
+
 _FEATURES: dict[str, Feature] = {}
 
 
@@ -82,12 +89,23 @@ _declare(
     _needs_lora_and_prefix_cache,
 )
 _declare("exact_aliases", "model name slot@N serves exactly version N or is refused", _needs_lora)
+_declare(
+    "exact_leases",
+    "POST /art/v1/leases pins version N of a slot as model slot@N while the slot moves on",
+    _needs_lora,
+)
 _declare("guarded_routes", "/art routes need the API key when one is set", _needs_api_key)
 _declare("metrics", "GET /art/metrics fast JSON snapshot")
 _declare(
     "cpu_layout",
     "EngineCore shares the worker's core so the API server keeps one (small CPU hosts)",
     _needs_cpu_layout,
+)
+_declare(
+    "moe_routes",
+    "routed experts per token (exact for prefix-cached prompts), route_spans, and the binary "
+    "application/vnd.art.routes body of /art/v1/completions and /art/v1/chat/completions",
+    _needs_routes,
 )
 
 #: Set once per API server by the endpoint plugin (`record_facts`).
@@ -111,6 +129,18 @@ def activate_all() -> None:
     slot_updates.install(compat.engine_core_class())
     lora_slot_writer.install(compat.worker_base_class())
     core_pinning.install(compat.engine_core_proc_classes())
+
+    from art_vllm_plugin.routes import config as routes_config
+
+    routes_config.install(compat.vllm_config_class(), compat.routes_use_worker_path)
+    if routes_config.selected() and compat.is_cpu_platform():
+        from art_vllm_plugin.worker import route_capture
+
+        route_capture.install(compat.cpu_v1_model_runner_class())
+    if compat.is_cpu_platform():
+        from art_vllm_plugin.worker import moe_lora_cpu
+
+        moe_lora_cpu.install(compat.fused_moe_config_class(), compat.lora_model_manager_class())
 
 
 def snapshot() -> dict[str, dict[str, object]]:

@@ -17,18 +17,21 @@ class ArtEndpointPlugin:
     required_tasks = ("generate",)  # every /art route needs a generating engine
 
     def attach_router(self, app) -> None:
-        from art_vllm_plugin.api_server import metrics_route
+        from art_vllm_plugin.api_server import metrics_route, route_completions
         from art_vllm_plugin.api_server.routes import router
 
         app.include_router(router)
+        app.include_router(route_completions.router)
         app.add_middleware(metrics_route.ArtMetricsMiddleware)  # added last: runs first
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         from art_vllm_plugin import compat, features
+        from art_vllm_plugin.api_server import route_completions
         from art_vllm_plugin.api_server.state import ArtApiState
 
         state.art = ArtApiState.create(engine_client=engine_client, args=args, app_state=state)
         config = engine_client.vllm_config
+        route_completions.install()
         layout = await compat.call_engine_utility(engine_client, "art_cpu_layout")
         features.record_facts(
             features.ServerFacts(
@@ -37,5 +40,6 @@ class ArtEndpointPlugin:
                 api_key=bool(state.art.api_key_digests),
                 cpu_layout_cpus=tuple(layout) if layout is not None else None,
                 refused_slots=tuple(sorted(state.art.slots.refused.items())),
+                routes_capture=route_completions.capture_mode(config),
             )
         )

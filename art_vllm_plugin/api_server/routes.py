@@ -8,8 +8,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from art_vllm_plugin import compat, features, plugin_loader
+from art_vllm_plugin.api_server import lease_routes, leases
 from art_vllm_plugin.api_server.auth import require_api_key
-from art_vllm_plugin.api_server.slots import UpdateError
+from art_vllm_plugin.api_server.slots import UpdateError, parse_update
 from art_vllm_plugin.version import __version__
 
 router = APIRouter(prefix="/art", dependencies=[Depends(require_api_key)])
@@ -41,20 +42,8 @@ async def engine_state(request: Request) -> dict:
 
 @router.get("/v1/slots")
 async def slots(request: Request) -> list[dict]:
-    return request.app.state.art.slots.list()
-
-
-def _parse_update(body) -> tuple[str, str, int]:
-    if not isinstance(body, dict):
-        raise UpdateError(400, 'body must be a JSON object {"slot", "path", "version"}')
-    slot, path, version = body.get("slot"), body.get("path"), body.get("version")
-    if not isinstance(slot, str) or not slot:
-        raise UpdateError(400, f"'slot' must be a non-empty string, got {slot!r}")
-    if not isinstance(path, str) or not path:
-        raise UpdateError(400, f"'path' must be a non-empty string, got {path!r}")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise UpdateError(400, f"'version' must be a non-negative integer, got {version!r}")
-    return slot, path, version
+    """Read from EngineCore: the same on every API server (and every DP engine)."""
+    return leases.with_leases(request.app, await request.app.state.art.slots.list())
 
 
 @router.post("/v1/lora/update")
@@ -65,30 +54,42 @@ async def lora_update(request: Request):
             body = await request.json()
         except ValueError as exc:
             raise UpdateError(400, f"body is not valid JSON: {exc}") from exc
-        slot, path, version = _parse_update(body)
+        update = parse_update(body)
     except UpdateError as exc:
         request.app.state.art.slots.failed_unattributed += 1
         return _error(exc.status, exc.message)
+    await leases.observe(request.app)  # exact leases: remember committed versions
     try:
-        return await request.app.state.art.slots.update(slot, path, version)
+        result = await request.app.state.art.slots.update(update)
     except UpdateError as exc:
         return _error(exc.status, exc.message)
+    await leases.observe(request.app)
+    return result
 
 
 @router.post("/v1/test/fault")
 async def test_fault(request: Request):
     """Test-only fault hook (404 unless the server runs with ART_TEST_HOOKS=1).
 
-    Body `{"kind": "commit", "rank": R}`: the next update's commit fails on worker rank R
-    after writing its weights, to exercise the all-or-nothing restore.
+    Body `{"kind": "commit"|"stage", "rank": R[, "engine": D]}`: on worker rank R of DP
+    engine D (default 0), the next update's commit fails after writing its weights
+    ("commit"), or its staging fails ("stage"), to exercise the all-or-nothing restore.
     """
     if os.environ.get("ART_TEST_HOOKS") != "1":
         return _error(404, "Not Found")
     body = await request.json()
-    kind, rank = body.get("kind"), body.get("rank")
-    if kind != "commit" or not isinstance(rank, int):
-        return _error(400, 'body must be {"kind": "commit", "rank": <int>}')
-    await compat.call_engine_utility(
-        request.app.state.art.engine_client, "art_test_inject_fault", kind, rank
+    kind, rank, engine = body.get("kind"), body.get("rank"), body.get("engine", 0)
+    targets = dict(compat.engine_targets(request.app.state.art.engine_client))
+    if kind not in ("commit", "stage") or not isinstance(rank, int) or engine not in targets:
+        return _error(
+            400,
+            'body must be {"kind": "commit"|"stage", "rank": <int>, "engine": <dp rank in '
+            f"{sorted(targets)}>}}",
+        )
+    await compat.call_engine_utility_on(
+        request.app.state.art.engine_client, targets[engine], "art_test_inject_fault", kind, rank
     )
-    return {"armed": {"kind": kind, "rank": rank}}
+    return {"armed": {"kind": kind, "rank": rank, "engine": engine}}
+
+
+router.include_router(lease_routes.router)  # /art/v1/leases

@@ -7,6 +7,20 @@ from typing import Any
 
 import httpx
 
+from art_vllm_plugin.client.fleet import Fleet  # noqa: F401 - re-exported
+from art_vllm_plugin.client.fleet_types import (  # noqa: F401 - re-exported
+    FleetConfig,
+    Outcome,
+    PublishResult,
+    ReconcileResult,
+    ReplicaResult,
+    RetryPolicy,
+    SlotView,
+)
+from art_vllm_plugin.client.routes import (  # noqa: F401 - re-exported
+    RoutedCompletion,
+    decode_routed_completion,
+)
 from art_vllm_plugin.policy_age import (  # noqa: F401 - re-exported for trainers
     FutureVersionError,
     batch_factor,

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from art_vllm_plugin import compat
+from art_vllm_plugin.engine_core import lease_versions
 
 #: Batches whose output has not come back; more than a few means outputs were dropped.
 _MAX_PENDING = 64
@@ -63,7 +64,7 @@ def _wrap_scheduler(core, s: BatchStamps) -> None:
     def stamped_schedule(*args, **kwargs):
         output = schedule(*args, **kwargs)
         s.scheduled += 1
-        s.pending[id(output)] = compat.engine_weight_label(core)
+        s.pending[id(output)] = lease_versions.extend(core, compat.engine_weight_label(core))
         while len(s.pending) > _MAX_PENDING:
             s.pending.popitem(last=False)
         return output
@@ -86,12 +87,15 @@ def on_outputs(core, outputs) -> None:
         s.busy_steps += 1
     s.last_output_t = now
     label, s.output_label = s.output_label, None
+    if label is None:  # unrecorded batch: vLLM's stamp, plus pinned leases if any
+        label = lease_versions.current_if_pinned(core)
     if label is not None:
         compat.set_output_weight_label(outputs, label)
 
 
 def install(engine_core_cls) -> None:
     """Wrap `_attach_weight_version`; the scheduler is wrapped per engine on first use."""
+    lease_versions.install(engine_core_cls)
 
     def make(original):
         def _attach_weight_version(self, outputs):

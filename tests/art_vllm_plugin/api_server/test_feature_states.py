@@ -8,7 +8,7 @@ import pytest
 
 from art_vllm_plugin import serve_process
 
-LORA_FEATURES = ("inflight_lora_update", "exact_aliases", "prefix_cache_salting")
+LORA_FEATURES = ("inflight_lora_update", "exact_aliases", "exact_leases", "prefix_cache_salting")
 
 
 @pytest.fixture(scope="module")
