@@ -11,6 +11,10 @@ feature (or a new section) rather than importing Megatron internals elsewhere.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import types
+
 SUPPORTED_MEGATRON = ((0, 19), (0, 20))  # [min, max): megatron-core 0.19.x
 SUPPORTED_RANGE_TEXT = "megatron-core >=0.19,<0.20"
 
@@ -161,26 +165,42 @@ def megatron_router_replay():
 # megatron-core 0.19.2 bug: `TopKRouter._apply_expert_bias` masks padding with
 # `routing_map & ~padding_mask`, a [tokens, experts] map against a [tokens] mask, which fails to
 # broadcast (or, when tokens == experts, masks the wrong axis). So any forward with both
-# `moe_router_enable_expert_bias` and a `padding_mask` fails in training. We replace the method
-# with one that masks rows; everything else it does is unchanged.
-def fix_expert_bias_padding_mask() -> None:
-    """Install the row-masking `_apply_expert_bias` on `TopKRouter` (idempotent)."""
-    require_megatron()
+# `moe_router_enable_expert_bias` and a `padding_mask` fails in training. Within
+# `expert_bias_padding_mask_fixed(modules)` the routers found in `modules` (and only those) use a
+# method that masks rows; the class and every other router keep Megatron's, and the routers get
+# Megatron's back on exit.
+def _row_masked_apply_expert_bias(self, routing_map, padding_mask=None):
     import torch
+
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+@contextlib.contextmanager
+def expert_bias_padding_mask_fixed(modules):
+    """Within the block, the `TopKRouter`s in `modules` (a module or a list of them) count
+    expert-bias load on non-padding rows only. Scoped per router instance: nothing global is
+    patched, and re-entering for the same router is a no-op for the inner block."""
+    require_megatron()
     from megatron.core.transformer.moe.router import TopKRouter
 
-    if getattr(TopKRouter._apply_expert_bias, "_art_row_mask", False):
-        return
-
-    def _apply_expert_bias(self, routing_map, padding_mask=None):
-        if self.enable_expert_bias and torch.is_grad_enabled():
-            with torch.no_grad():
-                if padding_mask is not None:
-                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
-                self.local_tokens_per_expert += routing_map.sum(dim=0)
-
-    _apply_expert_bias._art_row_mask = True
-    TopKRouter._apply_expert_bias = _apply_expert_bias
+    roots = modules if isinstance(modules, list | tuple) else [modules]
+    routers = [
+        m
+        for root in roots
+        for m in root.modules()
+        if isinstance(m, TopKRouter) and "_apply_expert_bias" not in m.__dict__
+    ]
+    for router in routers:
+        router._apply_expert_bias = types.MethodType(_row_masked_apply_expert_bias, router)
+    try:
+        yield
+    finally:
+        for router in routers:
+            del router._apply_expert_bias
 
 
 # --- Distributed optimizer state (art_megatron_ext/optim/optimizer_state.py, lora/padding.py) -
@@ -288,6 +308,59 @@ def dist_ckpt_writer_module():
     return filesystem_async
 
 
+# Async dist_checkpointing saves (art_megatron_ext/optim/dist_checkpoint.py). In 0.19.2
+# `dist_checkpointing.save(..., async_sharded_save=True, async_strategy="mcore")` plans on the
+# default group and returns an `AsyncRequest` whose `async_fn(rank, write_buckets,
+# results_queue)` only writes this rank's files, and whose `finalize_fns` are
+# [strategies/torch.py `finalize_fn` (closes over `save_state_dict_ret = (writer,
+# global_metadata, dist_wrapper)`; its gather and broadcast use `dist_wrapper.group`),
+# serialization.py `metadata_finalize_fn` (rank 0 `save_config`, then a barrier on the
+# default group)]. A background save runs the first with `dist_wrapper.group` rebound to a
+# checkpoint-only group and replaces the second by `save_config` plus its own barrier, so no
+# collective of the default group ever runs off the main thread.
+@dataclasses.dataclass
+class DistAsyncParts:
+    write_fn: object  # write_fn(rank, write_buckets, results_queue)
+    rank: int
+    write_buckets: list  # [(path, file_name, (bytes_data, [(item, tensor), ...])), ...]
+    results_queue: object
+    finalize: object  # the strategy's finalize (metadata gather, `.metadata` on the coordinator)
+    dist_wrapper: object  # torch DCP `_DistWrapper` of the plan; `.group` is rebindable
+
+
+def dist_ckpt_async_parts(request) -> DistAsyncParts:
+    """Take a 0.19 `AsyncRequest` from `dist_checkpointing.save(async_sharded_save=True)`
+    apart (see above); raises naming what differs when Megatron's structure changed."""
+    import inspect
+
+    names = [getattr(fn, "__name__", repr(fn)) for fn in request.finalize_fns]
+    if names != ["finalize_fn", "metadata_finalize_fn"]:
+        raise RuntimeError(
+            f"megatron-core {megatron_version()}: unexpected async save finalize functions "
+            f"{names} (0.19.2 has ['finalize_fn', 'metadata_finalize_fn'])"
+        )
+    captured = inspect.getclosurevars(request.finalize_fns[0]).nonlocals
+    ret = captured.get("save_state_dict_ret")
+    if not (isinstance(ret, (tuple, list)) and len(ret) == 3 and hasattr(ret[2], "group")):
+        raise RuntimeError(
+            f"megatron-core {megatron_version()}: async save finalize does not close over "
+            "(writer, global_metadata, dist_wrapper)"
+        )
+    if request.async_fn is None:  # nothing to write on this rank
+        return DistAsyncParts(None, 0, [], None, request.finalize_fns[0], ret[2])
+    rank, buckets, queue = request.async_fn_args
+    return DistAsyncParts(
+        request.async_fn, rank, list(buckets), queue, request.finalize_fns[0], ret[2]
+    )
+
+
+def dist_ckpt_save_config(directory) -> None:
+    """Write `metadata.json` (backend torch_dist, version 1) as `metadata_finalize_fn` does."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    save_config(CheckpointingConfig("torch_dist", 1), str(directory))
+
+
 def distopt_load_state_dict(optimizer, state_dict) -> None:
     """`optimizer.load_state_dict(state_dict)` for a (chain of) DistributedOptimizer whose
     inner torch Adam keeps `step` per parameter (no TE/Apex)."""
@@ -316,3 +389,34 @@ def distopt_init_state(optimizer) -> None:
     for part in chained_parts(optimizer):
         if len(part.optimizer.state) == 0:
             part._init_optimizer_states_with_dummy_values()
+
+
+# --- Tree attention (art_megatron_ext/packing/spec.py) ---------------------------------------
+# The packed prefix tree reaches every layer's core attention as `packed_seq_params` (a
+# `PackedSeqParams` subclass with qkv_format "tree", which Megatron's "thd" branches skip).
+# RoPE: in 0.19.2 `GPTModel._preprocess` calls
+# `self.rotary_pos_emb.get_rotary_seq_len(..., packed_seq_params)` and then
+# `self.rotary_pos_emb(rotary_seq_len, packed_seq=..., cp_group=...)`, once per forward; we
+# wrap the module held at that attribute to return frequencies at per-token positions.
+GPT_ROTARY_ATTR = "rotary_pos_emb"
+
+
+def gpt_rotary_module_attr() -> str:
+    """The GPTModel attribute holding its `RotaryEmbedding` (called once per forward)."""
+    return GPT_ROTARY_ATTR
+
+
+def megatron_packed_seq_params_class():
+    """`megatron.core.packed_seq_params.PackedSeqParams`."""
+    require_megatron()
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams
+
+
+def megatron_module_base():
+    """`megatron.core.transformer.module.MegatronModule` (base of core-attention modules)."""
+    require_megatron()
+    from megatron.core.transformer.module import MegatronModule
+
+    return MegatronModule

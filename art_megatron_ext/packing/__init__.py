@@ -19,6 +19,13 @@ _EXPORTS = {
     "TrajectoryGroup": "inputs",
     "pack_groups": "pack",
     "tree_attention_mask": "attention",
+    "TreeAttentionConfig": "tree_attention",
+    "plan_tree_attention": "tree_attention",
+    "predecessor_logprobs": "logprobs",
+    "TreeCoreAttention": "spec",
+    "TreePackedSeqParams": "spec",
+    "enable_tree_attention": "spec",
+    "tree_layer_spec": "spec",
 }
 
 
