@@ -75,6 +75,16 @@ def summarize(cfg: LoopConfig, timings: dict, png: Path | None, t0_wall: float) 
     share = hist / hist.sum()
     ages = ", ".join(f"{a}: {s:.0%}" for a, s in enumerate(share[: len(out["age_hist"])]))
     t = out["timings"]
+    lease = trainer.get("lease_eval")
+    lease_line = "off"
+    if lease:
+        lease_line = (
+            f"{lease['model']} evaluated at step {lease['version']} and after the slot reached "
+            f"version {lease['slot_version_at_end']}: "
+            f"{'same tokens' if lease['exact'] else 'TOKENS DIFFER'}, span versions "
+            f"{lease['span_versions']}, released {lease['released']}"
+        )
+    out["lease_eval"] = lease
     dev_value = out["fresh_ratio_max_abs_dev"]
     dev = "-" if dev_value is None else f"{dev_value:.2e}"
     verdict = (
@@ -94,6 +104,7 @@ def summarize(cfg: LoopConfig, timings: dict, png: Path | None, t0_wall: float) 
         "zero-variance groups\n"
         f"fresh-token ratio (train/inference parity): max |ratio - 1| = {dev} over "
         f"{out['fresh_tokens']} tokens, tolerance {cfg.fresh_ratio_tolerance}: {verdict}\n"
+        f"lease evaluation: {lease_line}\n"
         f"updates published: {out['updates_published']}; optimizer checkpoints at steps "
         f"{out['optimizer_saves']}\n"
         f"plot: {out['plot']}\n"
