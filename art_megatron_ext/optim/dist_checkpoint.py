@@ -257,6 +257,22 @@ class _Prepared:
     error: str | None = None
 
 
+#: The checkpoint-only gloo group, one per process and default group: every checkpointer
+#: (the resident store makes a new one on each reload) shares it, so groups do not pile up.
+_GLOO_GROUP: tuple[object, object] | None = None
+
+
+def _checkpoint_gloo_group():
+    """A gloo group over the world for background collectives, created once (collectively)."""
+    global _GLOO_GROUP
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    if _GLOO_GROUP is None or _GLOO_GROUP[0] is not world:  # first use, or a new default group
+        _GLOO_GROUP = (world, dist.new_group(backend="gloo"))
+    return _GLOO_GROUP[1]
+
+
 class DistCheckpointer:
     """Save/load an adapter and its `DistributedOptimizer` with `dist_checkpointing` (collective).
 
@@ -327,10 +343,7 @@ class DistCheckpointer:
         self._check_step(step)
         self.wait()
         if self._background_group is None:  # collective: every rank's first save_async
-            group = None
-            if dist.is_available() and dist.is_initialized():
-                group = dist.new_group(backend="gloo")
-            self._background_group = RankGroup(group)
+            self._background_group = RankGroup(_checkpoint_gloo_group())
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="dist-ckpt-async")
         prepared = self._prepare(model, optimizer, step, objective, snapshot=True)
         assert self._executor is not None

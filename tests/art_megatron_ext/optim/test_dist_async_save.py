@@ -121,6 +121,12 @@ def _async_worker(rank: int, world_size: int, root: str) -> dict:
         out["closed_manifest"] = (manifest.generation, manifest.step, second.done())
         out["events"] = io.events
         out["dirs"] = sorted(p.name for p in (Path(root) / "async").iterdir())
+        # A second checkpointer in the same process (the resident store makes one per reload)
+        # reuses the checkpoint-only gloo group instead of creating another one.
+        other = DistCheckpointer(Path(root) / "async-other")
+        other.save_async(ddp.module, optimizer, step=5, objective="rl")
+        out["other_committed"] = other.close().generation
+        out["gloo_group_shared"] = other._background_group._group is ck._background_group._group
         return out
 
     return _megatron(run)
@@ -208,6 +214,7 @@ def test_the_next_save_waits_for_the_previous_commit(runs):
         assert r["committed_when_second_returned"] == 2
         assert r["closed_manifest"] == (3, 3, True)
         assert r["dirs"] == ["CURRENT.json", "gen-00000003.dist"]
+    assert all(r["gloo_group_shared"] and r["other_committed"] == 1 for r in saved)
     events = saved[0]["events"]  # rank 0 commits: generation N+1 is written after N's commit
     assert events == ["write 1", "commit 1", "write 2", "commit 2", "write 3", "commit 3"]
 
