@@ -16,9 +16,10 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help envs serve-env train-env tiny demo test test-serve test-train lint clean gpu-carry
+.PHONY: help envs serve-env train-env tiny demo demo-serve test test-serve test-train lint clean gpu-carry
 help:
-	@echo "make demo   - serve the tiny model with --plugin art and show what the plugin does"
+	@echo "make demo   - Pipeline RL end to end on the tiny model (vLLM server, Megatron trainer, rollouts)"
+	@echo "make demo-serve - serve the tiny model with --plugin art and show what the plugin does"
 	@echo "make test   - set up both environments and run every test"
 	@echo "make lint   - ruff"
 	@echo "make tiny   - (re)generate the deterministic tiny model and adapters in $(TINY)"
@@ -50,8 +51,11 @@ $(TINY)/.ready: $(SERVE)/.project-ready art_vllm_plugin/tiny_model.py
 	touch $@
 tiny: $(TINY)/.ready
 
-demo: $(TINY)/.ready
-	$(SERVE)/bin/python scripts/demo.py --tiny $(TINY)
+# The Pipeline RL loop (examples/pipeline_rl): server, trainer and rollouts, stopped on exit.
+demo: $(TINY)/.ready train-env
+	$(SERVE)/bin/python examples/pipeline_rl/run.py --tiny $(TINY)
+demo-serve: $(TINY)/.ready
+	$(SERVE)/bin/python scripts/demo_serve.py --tiny $(TINY)
 
 # Both sides always run; the target fails if either failed.
 test: envs $(TINY)/.ready
