@@ -73,7 +73,7 @@ test-train: train-env
 gpu-carry: train-env
 	PYTHON=$(TRAIN)/bin/python bash scripts/gpu_carry.sh .gpu-carry
 
-PY_DIRS := art_vllm_plugin art_megatron_ext hybridep tests bench scripts
+PY_DIRS := art_vllm_plugin art_megatron_ext hybridep tests bench scripts examples
 lint: serve-env
 	$(SERVE)/bin/ruff check $(PY_DIRS)
 	$(SERVE)/bin/ruff format --check $(PY_DIRS)

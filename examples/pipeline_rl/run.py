@@ -7,7 +7,8 @@ LoRA, resident optimizer, prefix-tree packing, PEFT export, in-flight publish, r
 threads) and a real `vllm serve --plugin art` serving the tiny model with slot `policy`. When
 the server answers `/health` the driver tells the trainer its URL (RUN_DIR/server.json), then
 waits. Both run in their own process groups; on Ctrl-C, on a failure of either, or at the end,
-the `finally` blocks stop the trainer's group and then the server's. At the end it plots
+the `finally` blocks stop the trainer's group and then the server's. Before stopping the server
+it prints the slot, one completion's `policy_spans` and `/art/metrics`; at the end it plots
 reward and score per step (RUN_DIR/loop.png) and prints a summary.
 """
 
@@ -31,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from loop_config import LoopConfig  # noqa: E402
 from report import plot, summarize  # noqa: E402
+from server_view import show  # noqa: E402
 
 from art_vllm_plugin import serve_process  # noqa: E402
 
@@ -154,6 +156,7 @@ def run(cfg: LoopConfig, args) -> dict:
         timings["trainer_after_server_s"] = time.monotonic() - t_loop
         if trainer.returncode != 0:
             raise RuntimeError(f"the trainer failed with exit code {trainer.returncode}")
+        (cfg.path / "server_view.json").write_text(json.dumps(show(server.url, cfg.slot)))
     finally:
         stop_group(trainer)
         if server is not None:

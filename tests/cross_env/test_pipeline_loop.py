@@ -128,6 +128,17 @@ def test_updates_published_and_optimizer_checkpoints_committed(good):
     assert (out / "loop.png").stat().st_size > 0 or "matplotlib not installed" in good[0].stdout
 
 
+def test_the_end_of_run_view_shows_the_last_version_spans_and_metrics(good):
+    view = json.loads((good[1] / "server_view.json").read_text())
+    assert view["slot"]["version"] == STEPS and view["slot"]["digest"].startswith("xxh3-128:")
+    assert view["policy_spans"] == [
+        {"start": 0, "end": view["policy_spans"][-1]["end"], "slot": "policy", "version": STEPS}
+    ]
+    assert view["metrics"]["updates_total"] >= STEPS
+    assert view["metrics_slot"]["version"] == STEPS
+    assert "== What the server says" in good[0].stdout
+
+
 def test_processes_stopped(good, wrong_slot):
     assert_groups_gone(good[1])
     assert_groups_gone(wrong_slot[1])
