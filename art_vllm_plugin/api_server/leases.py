@@ -4,10 +4,13 @@ Why: evaluation or checkpoint scoring must run on exactly version N while the tr
 publishing N+1, N+2, ... to the slot. Without a lease `slot@N` is refused (409) as soon as the
 slot moves on. A lease copies version N's adapter files (the bytes its committed path holds,
 checked against the digest recorded when it was committed) to a private directory and loads
-them through vLLM's normal `add_lora` path as a separate LoRA id named `slot@N`, pinned so it
-is never evicted. Requests naming `slot@N` then resolve to that id (`aliases.resolve`), and
-EngineCore labels the id with version N (`engine_core/lease_versions.py`), so every token's
-`policy_spans` say N (the span's `slot` is the lease's model name, `slot@N`).
+them through vLLM's normal `add_lora` path as a separate LoRA id named `slot@N`, pinned in the
+CPU LoRA cache so it is never evicted from memory. It takes one of the `--max-loras` device
+slots only while it is scheduled, like any LoRA, so requests on more adapters than
+`--max-loras` wait for a slot instead of failing. Requests naming `slot@N` then resolve to
+that id (`aliases.resolve`), and EngineCore labels the id with version N
+(`engine_core/lease_versions.py`), so every token's `policy_spans` say N (the span's `slot` is
+the lease's model name, `slot@N`).
 
 Lifecycle: `POST /art/v1/leases {"slot", "version", "ttl_s"}` -> lease (id, model, expiry);
 several leases of one version share one pinned copy. `DELETE /art/v1/leases/{id}` or expiry
@@ -244,7 +247,10 @@ class LeaseManager:
         request = compat.lora_request(lora_name=name, lora_int_id=lid, lora_path=str(copy_dir))
         try:
             await self.engine_client.add_lora(request)
-            await self.engine_client.pin_lora(lid)
+            # Pinned in the CPU cache only, not with `pin_lora` (which also holds a device
+            # slot for good and breaks batches of `--max-loras` other adapters):
+            # engine_core/lease_versions.py
+            await self._on_every_engine("art_lease_keep", lid)
             await self._on_every_engine("art_lease_pin", lid, version)
         except Exception as exc:
             with contextlib.suppress(Exception):

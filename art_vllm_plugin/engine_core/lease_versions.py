@@ -8,6 +8,13 @@ lease's id. Slot updates never touch these entries (a lease's weights never chan
 
 Utilities (run between engine steps, on every engine):
 
+- `art_lease_keep(lora_int_id)`: pin the id in every worker's CPU LoRA cache (never evicted,
+  so its weights stay the copy's whatever else is loaded). It is deliberately *not* pinned
+  in a device slot (vLLM's `pin_lora` does both): a pinned device slot is one of the
+  `--max-loras` slots the scheduler still counts as free, so a batch of `max_loras` other
+  adapters would evict one of its own adapters and fail (KeyError in the punica mapping,
+  HTTP 500). Unpinned there, the lease's id takes a device slot like any LoRA when scheduled
+  and waits for one when all are in use;
 - `art_lease_pin(lora_int_id, version)`: from the next scheduled batch on, label the id N;
 - `art_lease_unpin(lora_int_id)`: stop labelling it, refused (`busy`) while a request that
   uses the id is still in the scheduler: its remaining tokens still need the label, and the
@@ -49,6 +56,16 @@ def current_if_pinned(core) -> str | None:
     return extend(core, compat.engine_weight_label(core))
 
 
+def _pin_in_cpu_cache(worker, lora_int_id: int) -> None:
+    """Runs on each worker through `collective_rpc`."""
+    compat.pin_lora_in_cpu_cache(worker, lora_int_id)
+
+
+def art_lease_keep(self, lora_int_id: int) -> dict[str, Any]:
+    compat.engine_executor(self).collective_rpc(_pin_in_cpu_cache, args=(int(lora_int_id),))
+    return {"ok": True}
+
+
 def art_lease_pin(self, lora_int_id: int, version: int) -> dict[str, Any]:
     pinned(self)[int(lora_int_id)] = int(version)
     return {"ok": True}
@@ -63,5 +80,6 @@ def art_lease_unpin(self, lora_int_id: int) -> dict[str, Any]:
 
 
 def install(engine_core_cls) -> None:
+    engine_core_cls.art_lease_keep = art_lease_keep
     engine_core_cls.art_lease_pin = art_lease_pin
     engine_core_cls.art_lease_unpin = art_lease_unpin
