@@ -208,6 +208,13 @@ def adapter_model_manager(worker_manager):
     return worker_manager._adapter_manager
 
 
+def pin_lora_in_cpu_cache(worker, lora_int_id: int) -> None:
+    """Keep a loaded LoRA id in the worker's CPU cache (`_registered_adapters`) for good, but
+    not in a device slot: `pin_lora`/`pin_adapter` also pins it in `_active_adapters`, where
+    it holds one of the `--max-loras` slots the scheduler counts as free for every batch."""
+    adapter_model_manager(worker_lora_manager(worker))._pin_lora_in_cpu_cache(int(lora_int_id))
+
+
 def load_adapter_files(worker_manager, lora_request):
     """Read an adapter with vLLM's own loader and checks (`_load_adapter`): a CPU LoRAModel."""
     return worker_manager._load_adapter(lora_request)
