@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from completion_load import generate_until
 
 from art_vllm_plugin import serve_process
 
@@ -50,27 +51,8 @@ def poll_health(url: str, stop: threading.Event, out: list[float]) -> None:
 
 async def generate_and_update(url: str, seconds: float, clients: int, adapters, version0: int):
     stop_at = time.monotonic() + seconds
-    tokens = 0
     update_ms: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-
-        async def client(i: int):
-            nonlocal tokens
-            j = 0
-            while time.monotonic() < stop_at:
-                resp = await http.post(
-                    "/v1/completions",
-                    json={
-                        "model": "policy",
-                        "prompt": f"{PROMPT} {i} {j}",
-                        "max_tokens": 128,
-                        "temperature": 0.8,
-                        "ignore_eos": True,
-                    },
-                )
-                resp.raise_for_status()
-                tokens += resp.json()["usage"]["completion_tokens"]
-                j += 1
 
         async def updater():
             k = 0
@@ -91,7 +73,9 @@ async def generate_and_update(url: str, seconds: float, clients: int, adapters, 
             return version0 + k
 
         t0 = time.monotonic()
-        *_, last_version = await asyncio.gather(*(client(i) for i in range(clients)), updater())
+        tokens, last_version = await asyncio.gather(
+            generate_until(http, stop_at, clients, PROMPT, max_tokens=128), updater()
+        )
         elapsed = time.monotonic() - t0
     return tokens / elapsed, update_ms, last_version
 

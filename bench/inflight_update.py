@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import httpx
+from completion_load import generate_until
 
 from art_vllm_plugin import serve_process
 
@@ -46,27 +47,8 @@ def pct(values: list[float], q: float) -> float:
 async def load(url: str, seconds: float, clients: int, update_every: float | None, update_fn):
     """C clients generate 64-token completions for `seconds`; returns (tokens/s, updates)."""
     stop = time.monotonic() + seconds
-    tokens = 0
     updates = 0
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-
-        async def client(i: int):
-            nonlocal tokens
-            j = 0
-            while time.monotonic() < stop:
-                resp = await http.post(
-                    "/v1/completions",
-                    json={
-                        "model": "policy",
-                        "prompt": f"{PROMPT} {i} {j}",
-                        "max_tokens": 64,
-                        "temperature": 0.8,
-                        "ignore_eos": True,
-                    },
-                )
-                resp.raise_for_status()
-                tokens += resp.json()["usage"]["completion_tokens"]
-                j += 1
 
         async def updater():
             nonlocal updates
@@ -76,7 +58,7 @@ async def load(url: str, seconds: float, clients: int, update_every: float | Non
                 updates += 1
 
         t0 = time.monotonic()
-        await asyncio.gather(*(client(i) for i in range(clients)), updater())
+        tokens, _ = await asyncio.gather(generate_until(http, stop, clients, PROMPT), updater())
         elapsed = time.monotonic() - t0
     return tokens / elapsed, updates
 
