@@ -138,6 +138,13 @@ async def call_engine_utility_on(engine_client, identity, method: str, *args):
     return await engine_client.engine_core._call_utility_async(method, *args, engine=identity)
 
 
+def api_server_count(engine_client) -> int | None:
+    """How many API-server processes share these engines (`AsyncMPClient.client_count`);
+    None when the client does not say (then assume several)."""
+    count = getattr(getattr(engine_client, "engine_core", None), "client_count", None)
+    return count if isinstance(count, int) else None
+
+
 def dp_load_balancing_mode(vllm_config) -> str | None:
     """None without data parallelism; else 'internal', 'external' or 'hybrid'
     (`ParallelConfig.data_parallel_external_lb` / `data_parallel_hybrid_lb`)."""

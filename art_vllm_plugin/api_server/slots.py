@@ -184,6 +184,13 @@ class SlotRegistry:
         self.refused: dict[str, str] = {}
         self._lock = asyncio.Lock()
         self._registered = False
+        #: Only this API server talks to the engines (vLLM's `client_count` is 1), so every
+        #: change to their registry passes through here (see `refresh`).
+        self.sole_api_server = compat.api_server_count(engine_client) == 1
+        #: The copy in `slots` equals engine 0's registry (sole API server only).
+        self._fresh = False
+        #: Bumped when an update starts and ends: a registry read that straddles one is stale.
+        self._generation = 0
         self.staging = staging.StagingConfig.default()
         now = time.time()
         for name, req in (serving_models.lora_requests if serving_models else {}).items():
@@ -243,10 +250,25 @@ class SlotRegistry:
                 slot_version_gauge().labels(slot=name).set(slot.version)
 
     async def refresh(self) -> dict[str, Slot]:
-        """Read engine 0's registry (one utility call) and return it."""
+        """Engine 0's registry: one utility call, which under load waits for the engine's
+        current step. With a sole API server every change to the registry is an update made
+        here, so after one read the copy stays exact until this server's next update starts
+        or ends: `/art/metrics` and alias checks then cost no engine round trip."""
+        if self.sole_api_server and self._fresh:
+            return self.slots
         await self._ensure_registered()
-        self._apply(await self._call(self.engines[0], "art_registry_snapshot"))
+        while True:
+            generation = self._generation
+            snapshot = await self._call(self.engines[0], "art_registry_snapshot")
+            if not self.sole_api_server or generation == self._generation:
+                break  # (a read that straddled an update here is read again)
+        self._apply(snapshot)
+        self._fresh = self.sole_api_server
         return self.slots
+
+    def _registry_changing(self) -> None:
+        self._generation += 1
+        self._fresh = False
 
     async def engine_views(self) -> list[dict]:
         """Every engine's registry snapshot (engine order), engine 0's applied here."""
@@ -296,6 +318,7 @@ class SlotRegistry:
 
     async def _update(self, req: UpdateRequest) -> dict:
         token = uuid.uuid4().hex
+        self._registry_changing()
         try:
             await self._ensure_registered()
             return await self._update_locked(req, token)
@@ -303,6 +326,8 @@ class SlotRegistry:
             # Also for a bug or a cancellation: never leave a reservation behind.
             await self._note_failure(token, req.slot)
             raise
+        finally:
+            self._registry_changing()  # counters and versions: the next refresh reads them
 
     async def _reserve(self, req: UpdateRequest, token: str) -> dict:
         """Admission on engine 0; waits while another update (any API server) is running."""
