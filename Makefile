@@ -66,14 +66,14 @@ test: envs $(TINY)/.ready
 test-serve: serve-env $(TINY)/.ready
 	$(SERVE)/bin/python -m pytest tests/art_vllm_plugin tests/cross_env -m "not train"
 test-train: train-env
-	$(TRAIN)/bin/python -m pytest tests/art_megatron_ext tests/hybridep tests/train_env
+	$(TRAIN)/bin/python -m pytest tests/art_protocol tests/art_megatron_ext tests/hybridep tests/train_env
 
 # What bench/gpu_check.sh needs on the lent GPU machine beyond its image; see README "GPU check".
 # GPU_CARRY_PREBUILD=0 skips pre-building the kernels (then the check builds them there).
 gpu-carry: train-env
 	PYTHON=$(TRAIN)/bin/python bash scripts/gpu_carry.sh .gpu-carry
 
-PY_DIRS := art_vllm_plugin art_megatron_ext hybridep tests bench scripts examples
+PY_DIRS := art_protocol art_vllm_plugin art_megatron_ext hybridep tests bench scripts examples
 lint: serve-env
 	$(SERVE)/bin/ruff check $(PY_DIRS)
 	$(SERVE)/bin/ruff format --check $(PY_DIRS)

@@ -6,11 +6,11 @@ A test harness, not a GPU claim: every number comes from the discrete-event simu
 in-flight update stalls) -> a bounded queue -> a trainer packing with the project's prefix-tree
 packer -> updates. The score is the seed's: accepted trainable tokens/s x freshness (token
 policy age, tau 8) x batch factor (C 300, reference 8 groups), over the last 10 of 40 steps,
-computed with `art_vllm_plugin.policy_age`.
+computed with `art_protocol.policy_age`.
 
 Fixed: the same reasonable defaults for every workload (16 rollout workers, the trainer starts
 at 4 queued groups and takes up to 40, a 32-group queue). Tuned: the same start, then the
-tuner (`art_vllm_plugin.autotune`, absolute cap 128 workers) decides every 3 steps after a
+tuner (`art_protocol.autotune`, absolute cap 128 workers) decides every 3 steps after a
 4-step warm-up. Both runs of a seed see the same workload draws.
 
 Run: .venv-serve/bin/python bench/autotune.py [--seeds 5] [--workloads a,b]

@@ -33,9 +33,9 @@ from pathlib import Path
 import httpx
 from completion_load import generate_until
 
+from art_protocol.client import ArtClient, Fleet, FleetConfig, RetryPolicy
+from art_protocol.digest import digest_dir
 from art_vllm_plugin import serve_process
-from art_vllm_plugin.adapter_digest import digest_dir
-from art_vllm_plugin.client import ArtClient, Fleet, FleetConfig, RetryPolicy
 
 TINY = Path(".cache/tiny")
 PROMPT = "the policy model learns from the reward and the trainer sends"

@@ -54,9 +54,9 @@ def main() -> int:
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.executor import Executor
 
+    from art_protocol.provenance import slot_version
     from art_vllm_plugin import compat, plugin_loader, staging
     from art_vllm_plugin.adapters import read_adapter_files
-    from art_vllm_plugin.provenance import slot_version
 
     if not (args.tiny / "model" / "config.json").exists():
         from art_vllm_plugin.tiny_model import generate

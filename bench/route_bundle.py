@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from art_megatron_ext.routing.bundle import decode_route_bundle, encode_route_bundle
+from art_protocol.route_bundle import decode_route_bundle, encode_route_bundle
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 

@@ -35,10 +35,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from art_megatron_ext.routing.bundle import encode_route_bundle
+from art_protocol.client.routes import decode_routed_completion
+from art_protocol.route_bundle import encode_route_bundle
+from art_protocol.routed_completion import encode_head
 from art_vllm_plugin import serve_process
-from art_vllm_plugin.client.routes import decode_routed_completion
-from art_vllm_plugin.routes.envelope import encode_head
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / ".cache" / "tiny" / "moe"

@@ -2,51 +2,17 @@
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from .. import compat
+from .active_slot import install_recompute_capture
 from .config import LoraConfig
+from .layer_position import expert_index, group_size_rank, layer_number
 from .site import COLUMN, ROW, LoraSite, SiteInfo
-from .slots import install_recompute_capture
-
-_LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 
 class UnsupportedLinear(TypeError):
     """A targeted module is not a linear this package can wrap (named in the message)."""
-
-
-def _group_size_rank(group) -> tuple[int, int]:
-    if group is None or not torch.distributed.is_initialized():
-        return 1, 0
-    return group.size(), group.rank()
-
-
-def _layer_number(path: str, modules: dict[str, torch.nn.Module]) -> int | None:
-    """Megatron's 1-based global `layer_number` of the transformer layer holding `path`."""
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, 1, -1):
-        number = getattr(modules.get(".".join(parts[:cut])), "layer_number", None)
-        if parts[cut - 2] == "layers" and isinstance(number, int):
-            return number
-    return None
-
-
-def _expert_index(path: str, modules: dict[str, torch.nn.Module]) -> int | None:
-    """Global expert index of a `SequentialMLP` expert linear (EP rank * local count + i)."""
-    match = _LOCAL_EXPERT.search(f".{path}.")
-    if match is None:
-        return None
-    experts = modules[path[: path.index(".local_experts.")]]
-    return local_expert_offset(experts) + int(match.group(1))
-
-
-def local_expert_offset(experts: torch.nn.Module) -> int:
-    """Global index of the first local expert of an experts module (SequentialMLP/TEGroupedMLP)."""
-    ep_rank = _group_size_rank(getattr(experts, "ep_group", None))[1]
-    return ep_rank * int(experts.num_local_experts)
 
 
 def describe_linear(
@@ -128,7 +94,7 @@ def _describe_te_linear(path: str, module, modules) -> SiteInfo:
             "that output (return_layernorm_output) for itself"
         )
     tp_group = compat.te_tp_group(module)
-    tp_size = _group_size_rank(tp_group)[0]
+    tp_size = group_size_rank(tp_group)[0]
     out_local, in_local = (int(n) for n in module.weight.shape)
     column = te_class in (compat.TE_COLUMN, compat.TE_LAYERNORM_COLUMN)
     return _site_info(
@@ -165,7 +131,7 @@ def _site_info(
     layernorm_input: bool = False,
 ) -> SiteInfo:
     target = path.rsplit(".", 1)[-1]
-    tp_size, tp_rank = _group_size_rank(tp_group)
+    tp_size, tp_rank = group_size_rank(tp_group)
     config = module.config
     qkv_layout = None
     if target == "linear_qkv":
@@ -190,8 +156,8 @@ def _site_info(
         sequence_parallel=sequence_parallel and tp_size > 1,
         explicit_expert_comm=explicit_expert_comm,
         input_is_parallel=input_is_parallel,
-        layer_number=_layer_number(path, modules),
-        expert_index=_expert_index(path, modules),
+        layer_number=layer_number(path, modules),
+        expert_index=expert_index(path, modules),
         gated=bool(config.gated_linear_unit) and target == "linear_fc1",
         in_shared_experts=".shared_experts." in f".{path}.",
         qkv_layout=qkv_layout,

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from art_megatron_ext.ops import grouped_gemm
 
 from .adapter import LoraAdapter
+from .layer_position import group_size_rank, layer_number, local_expert_offset
 from .padding import round_up
 from .site import LoraSite, SiteInfo, kaiming_a, seeded_generator
 
@@ -71,10 +72,8 @@ def _grouped_kind(module: torch.nn.Module) -> str:
 
 
 def describe_grouped_linear(path: str, module, modules) -> SiteInfo:
-    from .attach import _group_size_rank, _layer_number, local_expert_offset
-
     tp_group = getattr(module, "tp_group", None) or getattr(module, "_tp_group", None)
-    tp_size, tp_rank = _group_size_rank(tp_group)
+    tp_size, tp_rank = group_size_rank(tp_group)
     module.tp_group = tp_group
     out_local, in_local = grouped_local_out_in(module)
     kind = _grouped_kind(module)
@@ -95,7 +94,7 @@ def describe_grouped_linear(path: str, module, modules) -> SiteInfo:
         sequence_parallel=False,
         explicit_expert_comm=bool(getattr(module, "explicit_expert_comm", tp_size > 1)),
         input_is_parallel=True,
-        layer_number=_layer_number(path, modules),
+        layer_number=layer_number(path, modules),
         expert_index=first_expert,
         gated=bool(getattr(module.config, "gated_linear_unit", False)) and target == "linear_fc1",
         num_local_experts=int(module.num_gemms),

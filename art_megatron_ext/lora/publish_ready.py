@@ -8,7 +8,7 @@ stale one from the real thing. `export_ready` gives both:
 1. `export_peft` (collective; rank 0 alone receives and writes) writes into a temporary
    directory beside the final one (same filesystem), `<root>/<slot>/.v<version>.tmp-<id>`;
 2. the manifest `art-adapter.json` (slot, version, step, digest, created, base model) is
-   written there too, the digest being `art_vllm_plugin.adapter_digest.digest_dir` of the two
+   written there too, the digest being `art_protocol.digest.digest_dir` of the two
    adapter files (the same bytes the server reads and checks);
 3. every file and the directory are fsynced, the directory is renamed to
    `<root>/<slot>/v<version>` in one `rename(2)` and the parent directory is fsynced.
@@ -43,7 +43,9 @@ from typing import Any
 
 import torch
 
-from art_vllm_plugin.adapter_digest import CONFIG_FILE, WEIGHTS_FILE, digest_dir
+from art_protocol.digest import CONFIG_FILE, WEIGHTS_FILE, digest_dir
+from art_protocol.updates import ROUTE as UPDATE_ROUTE
+from art_protocol.updates import UpdateRequest
 
 from .export import export_peft
 from .hf_layout import HfNaming
@@ -67,14 +69,14 @@ class AdapterReady:
     step: int  # the training step whose weights these are
     created: float  # time.time() when the directory became visible
 
+    def update_request(self, *, with_digest: bool = True) -> UpdateRequest:
+        """The `POST /art/v1/lora/update` request for this version, digest included."""
+        digest = self.digest if with_digest else None
+        return UpdateRequest(self.slot, self.path, self.version, digest=digest)
+
     def update_body(self) -> dict[str, Any]:
-        """The body of `POST /art/v1/lora/update` for this version, digest included."""
-        return {
-            "slot": self.slot,
-            "path": self.path,
-            "version": self.version,
-            "digest": self.digest,
-        }
+        """The JSON body of `update_request()`."""
+        return self.update_request().to_json()
 
 
 def version_dir(root: str | os.PathLike, slot: str, version: int) -> Path:
@@ -253,11 +255,9 @@ def post_update(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def publish(ready: AdapterReady) -> dict:
-        body = ready.update_body()
-        if not send_digest:
-            body.pop("digest")
+        body = ready.update_request(with_digest=send_digest).to_json()
         resp = httpx.post(
-            f"{base_url.rstrip('/')}/art/v1/lora/update",
+            f"{base_url.rstrip('/')}{UPDATE_ROUTE}",
             json=body,
             headers=headers,
             timeout=timeout_s,

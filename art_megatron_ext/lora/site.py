@@ -36,10 +36,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .active_slot import NO_CHOICE, current_choice
 from .adapter import LoraAdapter
 from .config import DEFAULT_SLOT, LoraPadding
 from .padding import round_up
-from .slots import _NO_CHOICE, current_choice
 
 COLUMN = "column"
 ROW = "row"
@@ -276,7 +276,7 @@ class LoraSite(torch.nn.Module):
     # ---- forward -------------------------------------------------------------------------
     def active_adapter(self) -> LoraAdapter | None:
         choice = current_choice()
-        if choice is _NO_CHOICE:
+        if choice is NO_CHOICE:
             if DEFAULT_SLOT in self.slots:
                 return self.slots[DEFAULT_SLOT]
             if len(self.slots):

@@ -18,47 +18,15 @@ Rules at a LoRA site, for the innermost active choice:
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 
 import torch
 
-from .. import compat
-
-_NO_CHOICE = object()
-
-
-class _ActiveSlots(threading.local):
-    """Stack of active choices; thread-local because autograd may run backward elsewhere."""
-
-    def __init__(self) -> None:
-        self.stack: list[str | None] = []
-
-
-_ACTIVE = _ActiveSlots()
-
-
-def current_choice() -> object:
-    """The innermost active choice: a slot name, None (base only) or `_NO_CHOICE`."""
-    return _ACTIVE.stack[-1] if _ACTIVE.stack else _NO_CHOICE
-
-
-def _capture() -> tuple[str | None, ...]:
-    return tuple(_ACTIVE.stack)
-
-
-def _restore(stack: tuple[str | None, ...]) -> None:
-    _ACTIVE.stack = list(stack)
-
-
-def install_recompute_capture() -> None:
-    """Hook the active-slot stack into Megatron's recompute state (idempotent)."""
-    compat.register_recompute_state("art_lora_active_slot", _capture, _restore)
+from . import active_slot
+from .site import LoraSite
 
 
 def model_slot_names(model: torch.nn.Module) -> set[str]:
-    from .site import LoraSite
-
     names: set[str] = set()
     for module in model.modules():
         if isinstance(module, LoraSite):
@@ -76,9 +44,9 @@ def activate_slot(model: torch.nn.Module, name: str | None) -> Iterator[None]:
         known = model_slot_names(model)
         if name not in known:
             raise KeyError(f"no LoRA slot {name!r} in this model; its slots are {sorted(known)}")
-    install_recompute_capture()
-    _ACTIVE.stack.append(name)
+    active_slot.install_recompute_capture()
+    active_slot.push(name)
     try:
         yield
     finally:
-        _ACTIVE.stack.pop()
+        active_slot.pop()

@@ -1,9 +1,10 @@
 """Prefix-tree packing of trajectory groups into fixed-length training rows.
 
 See `pack.py` for the pipeline and `attention.py` for the attention rule the rows imply.
-The exports resolve lazily (module `__getattr__`): `pack.py` and `attention.py` need torch,
-while `inputs`, `prefix_tree` and `placement` are numpy-only, and the autotuner (which must
-import without torch) uses those to estimate how many groups fit a row budget.
+The exports resolve lazily (module `__getattr__`): `pack.py` and `attention.py` need torch.
+The numpy-only planning steps (trajectory checks, the prefix tree, row placement) live in the
+light shared package `art_protocol.packing`, because the autotuner (which imports no torch)
+uses them to estimate how many groups fit a row budget.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from importlib import import_module
 _EXPORTS = {
     "PackedBatch": "pack",
     "PackingConfig": "pack",
-    "PackingInputError": "inputs",
+    "PackingInputError": "art_protocol.packing.inputs",
     "PackingStats": "pack",
-    "Trajectory": "inputs",
-    "TrajectoryGroup": "inputs",
+    "Trajectory": "art_protocol.packing.inputs",
+    "TrajectoryGroup": "art_protocol.packing.inputs",
     "pack_groups": "pack",
     "tree_attention_mask": "attention",
     "TreeAttentionConfig": "tree_attention",
@@ -33,7 +34,8 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{module}"), name)
+    path = module if "." in module else f"{__name__}.{module}"
+    return getattr(import_module(path), name)
 
 
 __all__ = sorted(_EXPORTS)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from art_megatron_ext.packing.placement import Row
-from art_megatron_ext.packing.prefix_tree import PrefixTree
+from art_protocol.packing.placement import Row
+from art_protocol.packing.prefix_tree import PrefixTree
 
 
 @dataclass(frozen=True)

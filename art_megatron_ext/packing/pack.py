@@ -22,11 +22,11 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from art_megatron_ext.packing.inputs import CheckedTrajectory, TrajectoryGroup, check_groups
 from art_megatron_ext.packing.layout import Instance, layout_row
-from art_megatron_ext.packing.placement import place_trajectories
-from art_megatron_ext.packing.prefix_tree import PrefixTree, build_prefix_tree
 from art_megatron_ext.routing.collate import CollatedRoutes, RoutePlacement, collate_routes
+from art_protocol.packing.inputs import CheckedTrajectory, TrajectoryGroup, check_groups
+from art_protocol.packing.placement import place_trajectories
+from art_protocol.packing.prefix_tree import PrefixTree, build_prefix_tree
 
 
 @dataclass(frozen=True)

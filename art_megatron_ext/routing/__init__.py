@@ -1,17 +1,16 @@
-"""MoE routes on the training side: the binary route bundle (`bundle.py`), collation into the
-batch tensor, multi-turn segment chains included (`collate.py`), router replay in Megatron-core
+"""MoE routes on the training side: collation of route bundles into the batch tensor,
+multi-turn segment chains included (`collate.py`), router replay in Megatron-core
 (`replay.py`) and inside its micro-batched pipeline schedules (`schedule.py`).
 
-The bundle format is specified in `docs/formats.md`; `bundle.py` is its only implementation.
-
-Names are resolved lazily (PEP 562): `bundle.py` needs only numpy, and the trainer-side client
-(`art_vllm_plugin.client.routes`, no torch) imports it through this package.
+The bundle codec itself lives in the light shared package (`art_protocol.route_bundle`, the
+only implementation of the format in `docs/formats.md`); its names are re-exported here.
+Names are resolved lazily (PEP 562), so the bundle names import no torch.
 """
 
 from importlib import import_module
 
 _NAMES = {
-    "bundle": (
+    "art_protocol.route_bundle": (
         "BUNDLE_MAGIC",
         "BUNDLE_VERSION",
         "RouteBundle",
@@ -50,7 +49,8 @@ def __getattr__(name: str):
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{module}"), name)
+    path = module if "." in module else f"{__name__}.{module}"
+    value = getattr(import_module(path), name)
     globals()[name] = value
     return value
 

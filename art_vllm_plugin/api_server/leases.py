@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from art_protocol.digest import digest_bytes, digest_dir
 from art_vllm_plugin import compat
-from art_vllm_plugin.adapter_digest import digest_bytes, digest_dir
 from art_vllm_plugin.adapters import AdapterError, read_adapter_files
 from art_vllm_plugin.api_server.aliases import Alias
 

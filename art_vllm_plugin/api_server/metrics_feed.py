@@ -13,7 +13,7 @@ cache was at least `KV_FULL_FRACTION` used: adding load there only queues),
 `preemptions_total` and `idle` (the last step left nothing running or waiting: an idle engine
 reports no steps, so its snapshot ages without being stale).
 
-Schema 3 adds each slot's `digest` (`art_vllm_plugin.adapter_digest` of the adapter it serves;
+Schema 3 adds each slot's `digest` (`art_protocol.digest` of the adapter it serves;
 version 0: the start adapter) and takes the slot fields (version, digest, updates,
 failed_updates, last_update_ms) from EngineCore's slot registry, so every API server of a
 deployment reports the same ones; `failed_updates_total` still adds this API server's own

@@ -16,9 +16,9 @@ import functools
 import inspect
 from http import HTTPStatus
 
+from art_protocol.provenance import policy_spans
 from art_vllm_plugin import compat
 from art_vllm_plugin.api_server import aliases, stream_spans
-from art_vllm_plugin.provenance import policy_spans
 
 _MARK = "__art_patched__"
 

@@ -3,7 +3,7 @@
 The body is the usual OpenAI request plus `return_routes` (bool) and `routes_prompt_start`
 (int >= 0: skip that many prompt rows, for a client that holds the earlier turns' routes; it
 is vLLM's `routed_experts_prompt_start`). The answer is one `application/vnd.art.routes` body
-(`art_vllm_plugin.routes.envelope`): the completion JSON exactly as `/v1/...` builds it (with
+(`art_protocol.routed_completion`): the completion JSON exactly as `/v1/...` builds it (with
 `policy_spans`, plus `route_spans` and `routes: {rows, prompt_start}` per choice; never route
 arrays) followed by the route bundle, choice i = trajectory i.
 
@@ -28,10 +28,10 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from art_protocol.routed_completion import MEDIA_TYPE, encode_head
 from art_vllm_plugin import compat
 from art_vllm_plugin.api_server.auth import require_api_key
 from art_vllm_plugin.routes import config as routes_config
-from art_vllm_plugin.routes.envelope import MEDIA_TYPE, encode_head
 from art_vllm_plugin.routes.spans import expected_rows, route_spans
 
 router = APIRouter(prefix="/art", dependencies=[Depends(require_api_key)])
@@ -175,7 +175,7 @@ def _layers_topk(vllm_config, routes: list[np.ndarray | None]) -> tuple[int, int
 
 
 def _routed_body(response, vllm_config, captured: list[tuple[np.ndarray | None, int, int]], start):
-    from art_megatron_ext.routing.bundle import encode_route_bundle
+    from art_protocol.route_bundle import encode_route_bundle
 
     completion = response.model_dump()
     choices = completion.get("choices", [])

@@ -1,7 +1,7 @@
 """Publishing a validated adapter to every engine: stage everywhere, then commit everywhere.
 
 Runs in the API server, after the adapter's bytes were read once, validated and digested
-(`art_vllm_plugin.adapters`, `art_vllm_plugin.adapter_digest`). With data parallelism
+(`art_vllm_plugin.adapters`, `art_protocol.digest`). With data parallelism
 (`--data-parallel-size N`) the API server manages N engines, each with its own workers; the
 update is a two-phase commit over all of them, reached one by one through
 `compat.engine_targets` / `compat.call_engine_utility_on` (vLLM's own `call_utility_async`

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from art_vllm_plugin import adapter_digest, compat, staging
+from art_protocol import digest as adapter_digest
+from art_protocol.updates import UpdateRequest, UpdateRequestError, UpdateResponse
+from art_vllm_plugin import compat, staging
 from art_vllm_plugin.adapters import (
     AdapterError,
     AdapterSignature,
@@ -71,65 +72,12 @@ class UpdateError(Exception):
         self.message = message
 
 
-@dataclass(frozen=True)
-class UpdateRequest:
-    """`POST /art/v1/lora/update`'s body, parsed."""
-
-    slot: str
-    path: str
-    version: int
-    operation_id: str | None = None
-    expected_version: int | None = None
-    digest: str | None = None
-
-    def fingerprint(self) -> str:
-        """What "the same body" means for an operation id (path as sent, not resolved)."""
-        return json.dumps(
-            [self.slot, self.path, self.version, self.expected_version, self.digest],
-            separators=(",", ":"),
-        )
-
-
-#: Longest accepted `operation_id` (it is kept in EngineCore, 512 per slot).
-MAX_OPERATION_ID = 200
-
-
 def parse_update(body) -> UpdateRequest:
     """The update body, or `UpdateError(400)` naming the field that is wrong."""
-    if not isinstance(body, dict):
-        raise UpdateError(
-            400,
-            'body must be a JSON object {"slot", "path", "version"[, "operation_id", '
-            '"expected_version", "digest"]}',
-        )
-    slot, path, version = body.get("slot"), body.get("path"), body.get("version")
-    if not isinstance(slot, str) or not slot:
-        raise UpdateError(400, f"'slot' must be a non-empty string, got {slot!r}")
-    if not isinstance(path, str) or not path:
-        raise UpdateError(400, f"'path' must be a non-empty string, got {path!r}")
-    if not _is_version(version):
-        raise UpdateError(400, f"'version' must be a non-negative integer, got {version!r}")
-    op = body.get("operation_id")
-    if op is not None and (not isinstance(op, str) or not 0 < len(op) <= MAX_OPERATION_ID):
-        raise UpdateError(
-            400, f"'operation_id' must be a string of 1..{MAX_OPERATION_ID} characters, got {op!r}"
-        )
-    expected = body.get("expected_version")
-    if expected is not None and not _is_version(expected):
-        raise UpdateError(
-            400, f"'expected_version' must be a non-negative integer, got {expected!r}"
-        )
-    digest = body.get("digest")
-    if digest is not None:
-        try:
-            adapter_digest.check_format(digest)
-        except adapter_digest.DigestFormatError as exc:
-            raise UpdateError(400, f"'digest': {exc}") from exc
-    return UpdateRequest(slot, path, version, op, expected, digest)
-
-
-def _is_version(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    try:
+        return UpdateRequest.from_json(body)
+    except UpdateRequestError as exc:
+        raise UpdateError(400, str(exc)) from exc
 
 
 @dataclass
@@ -411,19 +359,19 @@ class SlotRegistry:
             except slot_publish.PublishError as exc:
                 raise UpdateError(exc.status, exc.message) from exc
             elapsed_ms = (time.perf_counter() - t0) * 1000.0
-            response = {
-                "slot": name,
-                "version": req.version,
-                "previous_version": current,
-                "digest": digest,
-                "operation_id": req.operation_id,
-                "step": result.step,
-                "receipts": result.receipts,
-                "elapsed_ms": elapsed_ms,
-                "engine_ms": result.engine_ms,
-                "stall_ms": result.stall_ms,
-                "resalted_waiting": result.resalted_waiting,
-            }
+            response = UpdateResponse(
+                slot=name,
+                version=req.version,
+                previous_version=current,
+                digest=digest,
+                operation_id=req.operation_id,
+                step=result.step,
+                receipts=result.receipts,
+                elapsed_ms=elapsed_ms,
+                engine_ms=result.engine_ms,
+                stall_ms=result.stall_ms,
+                resalted_waiting=result.resalted_waiting,
+            ).to_json()
             finished = await slot_publish.call_all(
                 self.engine_client,
                 self.engines,

@@ -28,7 +28,7 @@ def refuse_partial_data_parallel(mode: str | None) -> None:
             "from each API server, and here each API server manages only some of them. Use "
             "internal load balancing (one `vllm serve --data-parallel-size N`), or run one "
             "server per replica behind your load balancer and publish to all of them with "
-            "art_vllm_plugin.client.Fleet"
+            "art_protocol.client.Fleet"
         )
 
 

@@ -21,8 +21,8 @@ import inspect
 import json
 from collections import defaultdict
 
+from art_protocol.provenance import extend_spans, slot_spans, slot_version
 from art_vllm_plugin import compat
-from art_vllm_plugin.provenance import extend_spans, slot_spans, slot_version
 
 _MARK = "__art_stream_patched__"
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from art_protocol.provenance import PREFIX, decode_versions, encode_versions
 from art_vllm_plugin import compat
-from art_vllm_plugin.provenance import PREFIX, decode_versions, encode_versions
 
 _ATTR = "_art_lease_versions"
 

@@ -41,10 +41,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from art_protocol.provenance import encode_versions
 from art_vllm_plugin import compat
 from art_vllm_plugin.engine_core import batch_stamps, cache_salting
 from art_vllm_plugin.engine_core.slot_registry import SlotRecord, SlotRegistry
-from art_vllm_plugin.provenance import encode_versions
 
 _MARK = "__art_patched__"
 TEST_HOOKS_ENV = "ART_TEST_HOOKS"

@@ -28,6 +28,7 @@ import logging
 import numpy as np
 import torch
 
+from art_protocol.route_bundle import route_dtype_for
 from art_vllm_plugin import compat
 from art_vllm_plugin.routes.store import RouteSlotStore
 
@@ -57,10 +58,7 @@ class WorkerRouteCapture:
         config = runner.vllm_config
         num_experts = compat.num_experts(config)
         self.topk = config.model_config.get_num_experts_per_tok()
-        # the route bundle's dtype rule: the narrowest that holds every expert id
-        self.dtype = np.dtype(
-            np.uint8 if num_experts <= 256 else np.uint16 if num_experts <= 65536 else np.int32
-        )
+        self.dtype = route_dtype_for(num_experts)  # the bundle's rule, defined once
         self.runner = runner
         self.layer_ids: list[int] = []
         self.capture: RouterCapture | None = None

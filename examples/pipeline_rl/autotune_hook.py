@@ -1,4 +1,4 @@
-"""`--autotune`: the loop's knobs moved online by `art_vllm_plugin.autotune` (issue 17 item 3).
+"""`--autotune`: the loop's knobs moved online by `art_protocol.autotune` (issue 17 item 3).
 
 The tuner polls the real server's `/art/metrics` once a second on its own thread and gets one
 `StepRecord` per training step from the loop; after its warm-up, every `window_steps` steps it
@@ -20,7 +20,7 @@ import threading
 
 import httpx
 
-from art_vllm_plugin.autotune import Autotuner, GroupShape, Settings, StepRecord, TunerConfig
+from art_protocol.autotune import Autotuner, GroupShape, Settings, StepRecord, TunerConfig
 
 
 class LoopTuner:

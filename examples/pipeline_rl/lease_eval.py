@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import httpx
 
-from art_vllm_plugin.client import validate_spans
+from art_protocol.client import validate_spans
 
 
 class LeaseEvaluation:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from art_vllm_plugin.client import validate_spans
+from art_protocol.client import validate_spans
 
 
 @dataclass

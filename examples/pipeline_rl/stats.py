@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from art_vllm_plugin.policy_age import batch_factor, freshness
+from art_protocol.policy_age import batch_factor, freshness
 
 FRESHNESS_TAU = 8.0
 CRITICAL_ROLLOUT_SCALE = 300.0

@@ -10,8 +10,8 @@ HEAVY = ("torch", "vllm", "transformers", "megatron")
 
 PROBE = (
     "import sys\n"
-    "from art_vllm_plugin.client import ArtClient, Fleet, decode_routed_completion\n"
-    "import art_vllm_plugin.client.routes as routes\n"
+    "from art_protocol.client import ArtClient, Fleet, decode_routed_completion\n"
+    "import art_protocol.client.routes as routes\n"
     "from art_megatron_ext.routing import decode_route_bundle, encode_route_bundle\n"
     "EXTRA"
     f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))\n"

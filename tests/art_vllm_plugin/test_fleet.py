@@ -23,9 +23,9 @@ import httpx
 import pytest
 from support.vllm_server import restart_same_port
 
+from art_protocol.client import Fleet, FleetConfig, Outcome, RetryPolicy, validate_spans
+from art_protocol.digest import digest_dir
 from art_vllm_plugin import serve_process
-from art_vllm_plugin.adapter_digest import digest_dir
-from art_vllm_plugin.client import Fleet, FleetConfig, Outcome, RetryPolicy, validate_spans
 
 pytestmark = pytest.mark.serve
 

@@ -14,9 +14,9 @@ import sys
 import httpx
 import pytest
 
+from art_protocol.client import ArtClient, Fleet, FleetConfig, Outcome, RetryPolicy
+from art_protocol.digest import digest_dir
 from art_vllm_plugin import serve_process
-from art_vllm_plugin.adapter_digest import digest_dir
-from art_vllm_plugin.client import ArtClient, Fleet, FleetConfig, Outcome, RetryPolicy
 
 pytestmark = pytest.mark.serve
 
@@ -92,7 +92,7 @@ def test_deadline_s_argument_overrides_the_policy():
 def test_fleet_imports_neither_vllm_nor_torch():
     """Trainers import the fleet in their own environment (README "Client side stays light")."""
     code = (
-        "import sys, art_vllm_plugin.client.fleet; "
+        "import sys, art_protocol.client.fleet; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -24,8 +24,8 @@ import psutil
 import pytest
 from support.adapters import make_bad_adapters
 
+from art_protocol.client import ArtClient, ArtError, SpanError, validate_spans
 from art_vllm_plugin import serve_process
-from art_vllm_plugin.client import ArtClient, ArtError, SpanError, validate_spans
 
 PROMPT = "the policy model learns from the reward and the trainer sends"
 LONG = 460

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from support.adapters import make_bad_adapters
 
+from art_protocol.client import validate_spans
 from art_vllm_plugin import serve_process
-from art_vllm_plugin.client import validate_spans
 
 DURATION_S = 60.0
 CLIENTS = 8

@@ -19,8 +19,8 @@ import httpx
 import pytest
 from support.vllm_server import tiny_paths
 
+from art_protocol.digest import digest_dir
 from art_vllm_plugin import serve_process
-from art_vllm_plugin.adapter_digest import digest_dir
 
 pytestmark = pytest.mark.serve
 

@@ -193,7 +193,7 @@ def server(tmp_path_factory):
 
 
 def test_export_is_served_as_an_inflight_update(exported, server):
-    from art_vllm_plugin.client import validate_spans
+    from art_protocol.client import validate_spans
 
     _, out, _ = exported
     for _ in range(3):  # a busy machine may deliver the update after the generation ended

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from art_vllm_plugin.autotune import GroupShape, Settings, StepRecord, TunerConfig, Window
+from art_protocol.autotune import GroupShape, Settings, StepRecord, TunerConfig, Window
 
 SHAPES = tuple(GroupShape(1000, (300, 500, 700, 400)) for _ in range(8))
 

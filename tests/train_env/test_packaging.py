@@ -124,7 +124,8 @@ def _venv(work: Path, source_python: Path, wheel: Path, extra: str, name: str) -
                 work).strip()  # fmt: skip
     (Path(site) / "_art_view.pth").write_text(f"{view}\n")
     pip = [str(source_python), "-m", "pip", "--python", str(python), "install", "-q"]
-    _run([*pip, "--no-index", "--no-build-isolation", "--no-cache-dir", f"{wheel}[{extra}]"], work)
+    spec = f"{wheel}[{extra}]" if extra else str(wheel)  # "" is the base install
+    _run([*pip, "--no-index", "--no-build-isolation", "--no-cache-dir", spec], work)
     return python
 
 
@@ -155,7 +156,7 @@ def test_wheel_and_sdist_carry_the_cuda_sources(dists):
 @pytest.mark.parametrize("kind", ["wheel", "sdist-wheel"])
 def test_training_side_imports_every_module_with_only_the_megatron_extra(train_venvs, work, kind):
     out = _run([str(train_venvs[kind]), "-c", IMPORT_ALL,
-                "hybridep,art_megatron_ext,art_vllm_plugin.client"], work)  # fmt: skip
+                "hybridep,art_megatron_ext,art_protocol,art_vllm_plugin.client"], work)  # fmt: skip
     result = _last_json(out)
     assert not result["failed"], result["failed"]
     assert "art_megatron_ext.ops.cutlass_grouped_gemm" in result["modules"]
@@ -179,16 +180,55 @@ def test_hybridep_kernels_build_from_the_installed_package(train_venvs, work):
 
 
 @pytest.fixture(scope="module")
+def base_venv(work, dists) -> Path:
+    return _venv(work, Path(sys.executable), dists["wheel"], "", "base")
+
+
+#: What the base install may load: numpy, httpx and the distributions httpx itself needs.
+BASE_ALLOWED = {"numpy", "httpx", "httpcore", "h11", "anyio", "idna", "certifi", "sniffio",
+                "typing_extensions", "exceptiongroup"}  # fmt: skip
+THIRD_PARTY_LOADED = """
+import json, sys
+loaded = {m.split(".")[0] for m in sys.modules if not m.startswith("_")}
+ours = {"art_protocol", "art_vllm_plugin"}
+print(json.dumps(sorted(loaded - set(sys.stdlib_module_names) - ours)))
+"""
+
+
+def test_base_install_gives_the_shared_package_and_client_with_numpy_and_httpx_only(
+    base_venv, work
+):
+    """`pip install art-pipeline` (no extra): every module of art_protocol and the client
+    under its plugin name import, and what they load beyond the standard library is numpy,
+    httpx and httpx's own dependencies; xxhash (the `client` extra) is not even installed."""
+    out = _run([str(base_venv), "-c", IMPORT_ALL, "art_protocol,art_vllm_plugin.client"], work)
+    result = _last_json(out)
+    assert not result["failed"] and result["loaded"] == [], result
+    assert "art_protocol.autotune.controller" in result["modules"]
+    probe = IMPORT_ALL + THIRD_PARTY_LOADED
+    loaded = set(_last_json_list(_run([str(base_venv), "-c", probe,
+                                       "art_protocol,art_vllm_plugin.client"], work)))  # fmt: skip
+    assert {"numpy", "httpx"} <= loaded and loaded <= BASE_ALLOWED, sorted(loaded)
+    spec = "import importlib.util as u; print(u.find_spec('xxhash'), u.find_spec('torch'))"
+    assert _run([str(base_venv), "-c", spec], work).split() == ["None", "None"]
+
+
+def _last_json_list(text: str) -> list:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
 def client_venv(work, dists) -> Path:
     return _venv(work, Path(sys.executable), dists["wheel"], "client", "client")
 
 
 def test_client_extra_alone_gives_the_trainer_client_without_vllm_or_torch(client_venv, work):
-    out = _run([str(client_venv), "-c", IMPORT_ALL, "art_vllm_plugin.client"], work)
+    """The `client` extra adds xxhash (computing adapter digests) and nothing heavy."""
+    out = _run([str(client_venv), "-c", IMPORT_ALL, "art_protocol,art_vllm_plugin.client"], work)
     result = _last_json(out)
     assert not result["failed"] and result["loaded"] == []
     probe = (
-        "import importlib.util as u; print(u.find_spec('torch'), u.find_spec('httpx') is not None)"
+        "import importlib.util as u; print(u.find_spec('torch'), u.find_spec('xxhash') is not None)"
     )
     assert _run([str(client_venv), "-c", probe], work).split() == ["None", "True"]
 

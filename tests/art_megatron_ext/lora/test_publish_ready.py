@@ -30,7 +30,7 @@ from art_megatron_ext.lora.publish_ready import (
     read_manifest,
     version_dir,
 )
-from art_vllm_plugin.adapter_digest import digest_dir
+from art_protocol.digest import digest_dir
 
 SHAPE = dict(
     hidden_size=32,

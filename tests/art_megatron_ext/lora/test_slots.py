@@ -9,8 +9,8 @@ from art_megatron_ext.lora import (
     NoActiveSlot,
     SlotHasLiveGradients,
     activate_slot,
+    active_slot,
     iter_lora_sites,
-    slots,
 )
 from art_megatron_ext.lora.slot_ops import add_slot, drop_slot
 
@@ -115,7 +115,7 @@ def test_recomputation_without_the_capture_uses_the_wrong_slot(
     randomize_b(model, "default", seed=1)
     randomize_b(model, "policy", seed=2)
     want = _grads_under_slot(model, "policy", lm_loss, recompute=False)
-    monkeypatch.setattr(slots, "_restore", lambda stack: None)
+    monkeypatch.setattr(active_slot, "_restore", lambda stack: None)
     got = _grads_under_slot(model, "policy", lm_loss, recompute=True)
     # the recomputed layers ran the default slot: its parameters got the gradients instead
     assert any("/default/" in k for k in got) and not any("/default/" in k for k in want)

@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from art_megatron_ext.packing import Trajectory
-from art_megatron_ext.packing.inputs import check_trajectory
-from art_megatron_ext.packing.placement import place_trajectories
-from art_megatron_ext.packing.prefix_tree import build_prefix_tree
+from art_protocol.packing.inputs import check_trajectory
+from art_protocol.packing.placement import place_trajectories
+from art_protocol.packing.prefix_tree import build_prefix_tree
 
 
 @st.composite

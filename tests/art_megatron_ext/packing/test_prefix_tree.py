@@ -3,8 +3,8 @@
 import numpy as np
 
 from art_megatron_ext.packing import Trajectory
-from art_megatron_ext.packing.inputs import check_trajectory
-from art_megatron_ext.packing.prefix_tree import build_prefix_tree
+from art_protocol.packing.inputs import check_trajectory
+from art_protocol.packing.prefix_tree import build_prefix_tree
 
 
 def _checked(trajectories):

@@ -16,8 +16,8 @@ import psutil
 import pytest
 from support.vllm_server import LORA_ARGS
 
+from art_protocol.client import ArtClient, ArtError
 from art_vllm_plugin import serve_process
-from art_vllm_plugin.client import ArtClient, ArtError
 
 HUB_ID = "fakeorg/tiny-lora-b"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

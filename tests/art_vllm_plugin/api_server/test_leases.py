@@ -18,8 +18,8 @@ import time
 import httpx
 import pytest
 
+from art_protocol.digest import digest_dir
 from art_vllm_plugin import serve_process
-from art_vllm_plugin.adapter_digest import digest_dir
 
 KEY = "lease-key"
 PROMPTS = [

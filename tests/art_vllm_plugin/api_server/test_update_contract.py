@@ -16,8 +16,8 @@ import pytest
 from support.adapters import copy_adapter
 from support.vllm_server import LORA_ARGS
 
+from art_protocol.digest import digest_dir
 from art_vllm_plugin import serve_process
-from art_vllm_plugin.adapter_digest import digest_dir
 
 PROMPT = "the policy model learns from the reward and the trainer sends"
 

@@ -18,9 +18,9 @@ import uuid
 
 import pytest
 
+from art_protocol.provenance import slot_version
 from art_vllm_plugin import compat, staging
 from art_vllm_plugin.adapters import read_adapter_files
-from art_vllm_plugin.provenance import slot_version
 
 PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11, 12]
 TOKENS = 16

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from art_protocol.provenance import encode_versions, slot_version
 from art_vllm_plugin.engine_core import lease_versions
-from art_vllm_plugin.provenance import encode_versions, slot_version
 
 
 def _core(label: str) -> SimpleNamespace:

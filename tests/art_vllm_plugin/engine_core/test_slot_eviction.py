@@ -17,8 +17,8 @@ import shutil
 import httpx
 import pytest
 
+from art_protocol.client import ArtClient, validate_spans
 from art_vllm_plugin import serve_process
-from art_vllm_plugin.client import ArtClient, validate_spans
 
 PROMPTS = (
     "the policy model learns from the reward and the trainer sends",

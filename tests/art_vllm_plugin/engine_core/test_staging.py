@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from support.adapters import copy_adapter, edit_config
 
+from art_protocol.client import ArtClient, ArtError
 from art_vllm_plugin import serve_process, staging
 from art_vllm_plugin.adapters import (
     WEIGHTS_FILE,
@@ -24,7 +25,6 @@ from art_vllm_plugin.adapters import (
     read_signature,
     validate_adapter,
 )
-from art_vllm_plugin.client import ArtClient, ArtError
 
 PROMPT = "the policy model learns from the reward and the trainer sends"
 

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
+from art_protocol.client import decode_routed_completion
+from art_protocol.routed_completion import MEDIA_TYPE
 from art_vllm_plugin import serve_process
-from art_vllm_plugin.client import decode_routed_completion
-from art_vllm_plugin.routes.envelope import MEDIA_TYPE
 
 pytestmark = pytest.mark.serve
 

@@ -22,8 +22,8 @@ import httpx
 import numpy as np
 import pytest
 
+from art_protocol.client import ArtClient, decode_routed_completion, validate_spans
 from art_vllm_plugin import serve_process
-from art_vllm_plugin.client import ArtClient, decode_routed_completion, validate_spans
 
 pytestmark = pytest.mark.serve
 

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from art_megatron_ext.routing.bundle import encode_route_bundle
-from art_vllm_plugin.client import decode_routed_completion
-from art_vllm_plugin.routes.envelope import RoutedBodyError, encode_body, split_body
+from art_protocol.client import decode_routed_completion
+from art_protocol.route_bundle import encode_route_bundle
+from art_protocol.routed_completion import RoutedBodyError, encode_body, split_body
 from art_vllm_plugin.routes.spans import expected_rows, route_spans
 from art_vllm_plugin.routes.store import RouteSlotStore, RouteStoreError
 

@@ -5,8 +5,8 @@ Workers each run one group at a time (its rollouts in parallel, multi-turn rollo
 turn with tool latency between), drop zero-variance groups, and block on a full queue. The
 trainer starts a step once `target_groups` groups are queued (or the queue is full), takes up
 to `max_batch_groups`, discards groups holding a token older than the policy-age limit, packs
-the rest with the project's prefix-tree packer (`art_megatron_ext.packing.placement` through
-`art_vllm_plugin.autotune.packing_estimate`), trains for `overhead + rows * seq_len /
+the rest with the project's prefix-tree packer (`art_protocol.packing.placement` through
+`art_protocol.autotune.packing_estimate`), trains for `overhead + rows * seq_len /
 train_tok_s`, saves the adapter, and publishes the next version to the server in flight.
 The tuner (if any) sees what a real loop would give it: `/art/metrics`-shaped snapshots every
 simulated second and one `StepRecord` per step.
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from art_vllm_plugin.autotune import Autotuner, GroupShape, Settings, StepRecord, packed_rows
-from art_vllm_plugin.policy_age import batch_factor, freshness
+from art_protocol.autotune import Autotuner, GroupShape, Settings, StepRecord, packed_rows
+from art_protocol.policy_age import batch_factor, freshness
 
 from .server import Server
 from .workloads import REF_GROUPS, Lengths, Workload

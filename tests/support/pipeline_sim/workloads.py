@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from art_vllm_plugin.autotune import Settings, TunerConfig
+from art_protocol.autotune import Settings, TunerConfig
 
 from .server import ServerParams
 

@@ -7,13 +7,13 @@ import json
 import pytest
 from support.autotune_inputs import config, record, settings, snapshot
 
-from art_vllm_plugin.autotune import (
+from art_protocol.autotune import (
     Autotuner,
     MetricsContractError,
     ProfileError,
     load_profile,
 )
-from art_vllm_plugin.autotune import profile as profile_mod
+from art_protocol.autotune import profile as profile_mod
 
 
 class Clock:

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 from support.autotune_inputs import SHAPES, config, settings, window
 
-from art_vllm_plugin.autotune import GroupShape, SettingsError, decide, packed_rows
-from art_vllm_plugin.autotune.config import KNOBS
+from art_protocol.autotune import GroupShape, SettingsError, decide, packed_rows
+from art_protocol.autotune.config import KNOBS
 
 UNDERFED = dict(wait_fraction=0.5)
 

@@ -19,10 +19,10 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from art_vllm_plugin.autotune.config import Settings, TunerConfig
-from art_vllm_plugin.autotune.profile import load_profile, save_profile
-from art_vllm_plugin.autotune.rules import Decision, decide
-from art_vllm_plugin.autotune.window import (
+from art_protocol.autotune.config import Settings, TunerConfig
+from art_protocol.autotune.profile import load_profile, save_profile
+from art_protocol.autotune.rules import Decision, decide
+from art_protocol.autotune.window import (
     REQUIRED_METRICS,
     MetricsContractError,
     MetricsSample,

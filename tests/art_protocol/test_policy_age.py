@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from art_vllm_plugin.policy_age import (
+from art_protocol.policy_age import (
     FutureVersionError,
     batch_factor,
     freshness,

@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from art_vllm_plugin.autotune.config import Settings, SettingsError, TunerConfig
+from art_protocol.autotune.config import Settings, SettingsError, TunerConfig
 
 SCHEMA = "art-autotune-profile"
 SCHEMA_VERSION = 1

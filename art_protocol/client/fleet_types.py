@@ -1,4 +1,4 @@
-"""Typed configuration and results of `art_vllm_plugin.client.Fleet`.
+"""Typed configuration and results of `art_protocol.client.Fleet`.
 
 Kept apart from the fleet's logic so a trainer can build a config or read a result without
 reading the HTTP code; stdlib only.

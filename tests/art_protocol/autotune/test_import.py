@@ -10,7 +10,7 @@ HEAVY = ("torch", "vllm", "httpx", "transformers")
 
 def test_import_pulls_in_no_heavy_module():
     code = (
-        "import sys, art_vllm_plugin.autotune\n"
+        "import sys, art_protocol.autotune\n"
         f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
         "print(heavy)\n"
         "sys.exit(1 if heavy else 0)\n"

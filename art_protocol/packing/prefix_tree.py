@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from art_megatron_ext.packing.inputs import CheckedTrajectory
+from art_protocol.packing.inputs import CheckedTrajectory
 
 
 @dataclass

@@ -3,8 +3,8 @@
 
 Why its own module: trainers read thousands of these; the routes are most of the bytes, and
 the format lets them arrive without a base64 pass or a JSON parse over them. The layout is
-in `docs/formats.md` ("Routed completion"); `art_vllm_plugin.routes.envelope` writes it and
-`art_megatron_ext.routing.bundle` is the route bundle's one implementation. numpy and the
+in `docs/formats.md` ("Routed completion"); `art_protocol.routed_completion` writes it and
+`art_protocol.route_bundle` is the route bundle's one implementation. numpy and the
 standard library only.
 
     routed = decode_routed_completion(resp.content)
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from art_vllm_plugin.routes.envelope import MEDIA_TYPE, RoutedBodyError, split_body
+from art_protocol.routed_completion import MEDIA_TYPE, RoutedBodyError, split_body
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def decode_routed_completion(data: bytes | bytearray | memoryview) -> RoutedComp
             disagree with the choices.
         RouteBundleError: a malformed route bundle (from the bundle reader).
     """
-    from art_megatron_ext.routing.bundle import decode_route_bundle
+    from art_protocol.route_bundle import decode_route_bundle
 
     split = split_body(data)
     bundle = decode_route_bundle(split.bundle)

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
-from art_vllm_plugin.autotune.packing_estimate import GroupShape
+from art_protocol.autotune.packing_estimate import GroupShape
 
 #: `/art/metrics` fields (schema >= 2) every decision needs.
 REQUIRED_METRICS = (

@@ -3,7 +3,7 @@
 import pytest
 import xxhash
 
-from art_vllm_plugin.adapter_digest import (
+from art_protocol.digest import (
     DigestFormatError,
     check_format,
     digest_bytes,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from art_megatron_ext.packing.inputs import Trajectory, TrajectoryGroup, check_groups
-from art_megatron_ext.packing.placement import place_trajectories
-from art_megatron_ext.packing.prefix_tree import build_prefix_tree
-from art_vllm_plugin.autotune import GroupShape, groups_fitting, packed_rows
+from art_protocol.autotune import GroupShape, groups_fitting, packed_rows
+from art_protocol.packing.inputs import Trajectory, TrajectoryGroup, check_groups
+from art_protocol.packing.placement import place_trajectories
+from art_protocol.packing.prefix_tree import build_prefix_tree
 
 
 def real_groups(shapes, rng):

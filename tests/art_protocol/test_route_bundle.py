@@ -6,7 +6,7 @@ import struct
 import numpy as np
 import pytest
 
-from art_megatron_ext.routing.bundle import (
+from art_protocol.route_bundle import (
     BUNDLE_MAGIC,
     HEADER_SIZE,
     RouteBundleError,

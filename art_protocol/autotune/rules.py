@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from art_vllm_plugin.autotune.config import KNOBS, Settings, TunerConfig
-from art_vllm_plugin.autotune.model import fit_step_cost, predict
-from art_vllm_plugin.autotune.packing_estimate import groups_fitting
-from art_vllm_plugin.autotune.window import Window
+from art_protocol.autotune.config import KNOBS, Settings, TunerConfig
+from art_protocol.autotune.model import fit_step_cost, predict
+from art_protocol.autotune.packing_estimate import groups_fitting
+from art_protocol.autotune.window import Window
 
 
 @dataclass(frozen=True)

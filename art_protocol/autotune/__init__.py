@@ -6,12 +6,12 @@ for the rules, `config.py` for the bounds, `window.py` for the metrics contract,
 `controller.py` for the API a training loop calls once per step, `profile.py` for profiles.
 """
 
-from art_vllm_plugin.autotune.config import Settings, SettingsError, TunerConfig
-from art_vllm_plugin.autotune.controller import Autotuner
-from art_vllm_plugin.autotune.packing_estimate import GroupShape, groups_fitting, packed_rows
-from art_vllm_plugin.autotune.profile import ProfileError, load_profile, save_profile
-from art_vllm_plugin.autotune.rules import Decision, decide
-from art_vllm_plugin.autotune.window import (
+from art_protocol.autotune.config import Settings, SettingsError, TunerConfig
+from art_protocol.autotune.controller import Autotuner
+from art_protocol.autotune.packing_estimate import GroupShape, groups_fitting, packed_rows
+from art_protocol.autotune.profile import ProfileError, load_profile, save_profile
+from art_protocol.autotune.rules import Decision, decide
+from art_protocol.autotune.window import (
     REQUIRED_METRICS,
     MetricsContractError,
     StepRecord,

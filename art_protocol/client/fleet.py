@@ -31,12 +31,11 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import httpx
 
-from art_vllm_plugin.adapter_digest import check_format
-from art_vllm_plugin.client.fleet_types import (
+from art_protocol.client.fleet_types import (
     FleetConfig,
     Outcome,
     PublishResult,
@@ -45,19 +44,10 @@ from art_vllm_plugin.client.fleet_types import (
     RetryPolicy,
     SlotView,
 )
+from art_protocol.updates import UpdateRequest
 
 UPDATE_ROUTE = "/art/v1/lora/update"
 SLOTS_ROUTE = "/art/v1/slots"
-
-
-@dataclass(frozen=True)
-class _Target:
-    """The fleet's last applied publish of a slot: what `reconcile()` re-sends."""
-
-    path: str
-    version: int
-    operation_id: str
-    digest: str | None
 
 
 class _Unreachable(Exception):
@@ -108,7 +98,7 @@ class Fleet:
         self._pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="art-fleet")
         self._op_lock = threading.Lock()  # one publish / reconcile / slots at a time
         self._state_lock = threading.Lock()  # guards _targets and _quarantined
-        self._targets: dict[str, _Target] = {}
+        self._targets: dict[str, UpdateRequest] = {}
         self._quarantined: dict[str, str] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -158,22 +148,15 @@ class Fleet:
         """Post `{slot, path, version}` (and `digest` if given) to every replica at once.
 
         Returns every replica's result; raises only on bad arguments. `digest` is the
-        adapter's content digest (`art_vllm_plugin.adapter_digest.digest_dir`), checked by
+        adapter's content digest (`art_protocol.digest.digest_dir`), checked by
         each replica. `operation_id` defaults to a fresh id per call; pass your own (e.g.
         derived from the training step) to make a trainer that restarts and publishes the
         same step again idempotent: replicas that applied it answer with the first response.
         """
-        if not isinstance(slot, str) or not slot:
-            raise ValueError(f"slot must be a non-empty string, got {slot!r}")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise ValueError(f"version must be a non-negative integer, got {version!r}")
-        if digest is not None:
-            check_format(digest)
         if operation_id is None:
             operation_id = f"fleet-{uuid.uuid4().hex}"
-        elif not isinstance(operation_id, str) or not 1 <= len(operation_id) <= 200:
-            raise ValueError(f"operation_id must be a string of 1..200 chars, got {operation_id!r}")
-        target = _Target(str(path), version, operation_id, digest)
+        # Checks every field (UpdateRequestError, a ValueError) before anything is sent.
+        target = UpdateRequest(slot, str(path), version, operation_id, digest=digest)
         with self._op_lock:
             deadline = time.monotonic() + self.config.retry.deadline_s
             quarantined = self.quarantined()
@@ -185,7 +168,7 @@ class Fleet:
             self._settle(slot, target, results)
         return PublishResult(slot, target.path, version, target.operation_id, results)
 
-    def _settle(self, slot: str, target: _Target, results: Iterable[ReplicaResult]) -> None:
+    def _settle(self, slot: str, target: UpdateRequest, results: Iterable[ReplicaResult]) -> None:
         """Move the target if any replica applied it; quarantine or release each replica."""
         results = list(results)
         moved = any(r.ok for r in results)
@@ -201,7 +184,7 @@ class Fleet:
                 self._release_if_current(r.url)
 
     @staticmethod
-    def _diverged(r: ReplicaResult, before: _Target | None) -> bool:
+    def _diverged(r: ReplicaResult, before: UpdateRequest | None) -> bool:
         """The replica's answer says it was not on the previous target (e.g. it restarted).
 
         Servers that report `previous_version` (issue 14) let a publish notice a restarted
@@ -231,19 +214,12 @@ class Fleet:
                 self._quarantined.pop(url, None)
 
     def _send(
-        self, url: str, slot: str, target: _Target, deadline: float, quarantined: bool
+        self, url: str, slot: str, target: UpdateRequest, deadline: float, quarantined: bool
     ) -> ReplicaResult:
         """One replica: post until it answers for good, the attempts or the deadline run out."""
         policy: RetryPolicy = self.config.retry
         max_attempts = self.config.quarantined_attempts if quarantined else policy.max_attempts
-        body = {
-            "slot": slot,
-            "path": target.path,
-            "version": target.version,
-            "operation_id": target.operation_id,
-        }
-        if target.digest is not None:
-            body["digest"] = target.digest
+        body = target.to_json()
         http = self._http[url]
         t0 = time.monotonic()
         delays = policy.delays()
@@ -301,7 +277,9 @@ class Fleet:
             ),
         )
 
-    def _check_conflict(self, url, slot, target: _Target, message: str, result) -> ReplicaResult:
+    def _check_conflict(
+        self, url, slot, target: UpdateRequest, message: str, result
+    ) -> ReplicaResult:
         """A 409: the same version already there counts as applied; anything else refuses."""
         try:
             reported = self._get_slots(url)

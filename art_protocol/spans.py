@@ -1,88 +1,13 @@
-"""A small httpx client for the art routes, and the checks a trainer runs on provenance."""
+"""The check a trainer runs on a choice's per-token policy spans before it trusts them."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import httpx
-
-from art_vllm_plugin.client.fleet import Fleet  # noqa: F401 - re-exported
-from art_vllm_plugin.client.fleet_types import (  # noqa: F401 - re-exported
-    FleetConfig,
-    Outcome,
-    PublishResult,
-    ReconcileResult,
-    ReplicaResult,
-    RetryPolicy,
-    SlotView,
-)
-from art_vllm_plugin.client.routes import (  # noqa: F401 - re-exported
-    RoutedCompletion,
-    decode_routed_completion,
-)
-from art_vllm_plugin.policy_age import (  # noqa: F401 - re-exported for trainers
-    FutureVersionError,
-    batch_factor,
-    freshness,
-    policy_age,
-    throughput_score,
-)
-
-
-class ArtError(RuntimeError):
-    """An `/art/*` call was refused; `status` is the HTTP status, the message the server's."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
-
 
 class SpanError(ValueError):
     """A choice's policy spans do not describe its tokens exactly once, in order."""
-
-
-class ArtClient:
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> ArtClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _json(self, resp: httpx.Response) -> Any:
-        if resp.status_code >= 400:
-            try:
-                message = resp.json()["error"]["message"]
-            except Exception:
-                message = resp.text
-            raise ArtError(resp.status_code, message)
-        return resp.json()
-
-    def update(self, slot: str, path: str, version: int) -> dict:
-        """Publish a new adapter to a slot; returns {slot, version, step, elapsed_ms, ...}."""
-        return self._json(
-            self._http.post(
-                "/art/v1/lora/update", json={"slot": slot, "path": str(path), "version": version}
-            )
-        )
-
-    def slots(self) -> list[dict]:
-        return self._json(self._http.get("/art/v1/slots"))
-
-    def capabilities(self) -> dict:
-        return self._json(self._http.get("/art/v1/capabilities"))
-
-    def latest_versions(self) -> dict[str, int]:
-        """{slot: version published now}: the `latest_version` for `validate_spans`."""
-        return {s["slot"]: s["version"] for s in self.slots()}
 
 
 def validate_spans(

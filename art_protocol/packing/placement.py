@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from art_megatron_ext.packing.inputs import PackingInputError
-from art_megatron_ext.packing.prefix_tree import PrefixTree
+from art_protocol.packing.inputs import PackingInputError
+from art_protocol.packing.prefix_tree import PrefixTree
 
 _SPLIT_CANDIDATES = 8  # emptiest untouched rows tried for a split (plus rows holding the group)
 

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from art_megatron_ext.routing.bundle import (
+from art_protocol.route_bundle import (
     BUNDLE_MAGIC,
     RouteBundleError,
     decode_route_bundle,

@@ -5,7 +5,7 @@ planned pays a nearly empty row (or waits longer for the next batch), so the tun
 largest G whose probability of spilling past R rows stays under a bound (e.g. 3%). That
 probability depends on the real shapes (prompt shared by a group, spread of completion
 lengths), so it is estimated by packing random batches drawn from recent real group shapes
-with `art_megatron_ext.packing.placement` on prefix trees built from the shapes alone (no
+with `art_protocol.packing.placement` on prefix trees built from the shapes alone (no
 token ids: shapes carry all the packer looks at). numpy only; seeded.
 """
 
@@ -17,8 +17,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from art_megatron_ext.packing.placement import place_trajectories
-from art_megatron_ext.packing.prefix_tree import Node, PrefixTree
+from art_protocol.packing.placement import place_trajectories
+from art_protocol.packing.prefix_tree import Node, PrefixTree
 
 _EMPTY_BOOL = np.zeros(0, dtype=bool)
 _EMPTY_F32 = np.zeros(0, dtype=np.float32)

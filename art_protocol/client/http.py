@@ -1,0 +1,69 @@
+"""The HTTP client for one server's `/art/*` routes (httpx; no vLLM, no torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from art_protocol.updates import ROUTE as UPDATE_ROUTE
+from art_protocol.updates import UpdateRequest
+
+
+class ArtError(RuntimeError):
+    """An `/art/*` call was refused; `status` is the HTTP status, the message the server's."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class ArtClient:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ArtClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _json(self, resp: httpx.Response) -> Any:
+        if resp.status_code >= 400:
+            try:
+                message = resp.json()["error"]["message"]
+            except Exception:
+                message = resp.text
+            raise ArtError(resp.status_code, message)
+        return resp.json()
+
+    def update(
+        self,
+        slot: str,
+        path: str,
+        version: int,
+        *,
+        operation_id: str | None = None,
+        expected_version: int | None = None,
+        digest: str | None = None,
+    ) -> dict:
+        """Publish a new adapter to a slot; returns the server's `UpdateResponse` as JSON
+        ({slot, version, step, receipts, elapsed_ms, ...}). A bad argument raises
+        `UpdateRequestError` before anything is sent."""
+        request = UpdateRequest(slot, str(path), version, operation_id, expected_version, digest)
+        return self._json(self._http.post(UPDATE_ROUTE, json=request.to_json()))
+
+    def slots(self) -> list[dict]:
+        return self._json(self._http.get("/art/v1/slots"))
+
+    def capabilities(self) -> dict:
+        return self._json(self._http.get("/art/v1/capabilities"))
+
+    def latest_versions(self) -> dict[str, int]:
+        """{slot: version published now}: the `latest_version` for `validate_spans`."""
+        return {s["slot"]: s["version"] for s in self.slots()}
