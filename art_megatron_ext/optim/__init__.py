@@ -1,40 +1,41 @@
-"""Resident optimizer state and crash-atomic sharded checkpoints.
+"""Resident optimizer state and crash-atomic checkpoints.
 
 `resident` keeps optimizer and trainable state in memory across jobs with the same
-(training session, objective, optimizer path); `checkpoint` writes and reads the per-rank,
-manifest-committed checkpoints it falls back to, `async_save` runs those saves in the
-background, `optimizer_state` captures a torch or Megatron distributed optimizer completely,
-and `dist_checkpoint` writes resharding checkpoints with Megatron's `dist_checkpointing`
-under the same commit protocol (format: docs/checkpoint-format.md).
+(training session, objective, optimizer path) and checkpoints through one `Checkpointer`
+interface (`checkpointer`), chosen once from the `CheckpointLayout` (`layouts`): the
+per-rank layout (`checkpoint.ShardedCheckpointer`) or Megatron's resharding
+`dist_checkpointing` (`dist_checkpoint.DistCheckpointer`). Both write the same `Manifest`
+(`manifest`), commit it with one protocol (`commit`) and save in the background on one path
+(`async_save`); `optimizer_state` captures a torch or Megatron distributed optimizer
+completely. Format: docs/checkpoint-format.md.
 """
 
 from art_megatron_ext.optim.async_save import AsyncCheckpointer, snapshot_state
-from art_megatron_ext.optim.checkpoint import (
-    CheckpointConfig,
+from art_megatron_ext.optim.checkpoint import CheckpointConfig, ShardedCheckpointer
+from art_megatron_ext.optim.checkpointer import Checkpointer, LoadedCheckpoint, Restore
+from art_megatron_ext.optim.dist_checkpoint import DistCheckpointer
+from art_megatron_ext.optim.errors import (
     CheckpointCorruptError,
+    CheckpointFormatError,
     CheckpointSaveError,
     CheckpointWorldSizeError,
-    LoadedShard,
-    ShardedCheckpointer,
 )
-from art_megatron_ext.optim.dist_checkpoint import DistCheckpointer, DistManifest, LoadedDist
 from art_megatron_ext.optim.fileio import CheckpointIO
-from art_megatron_ext.optim.manifest import CheckpointFormatError, Manifest
+from art_megatron_ext.optim.layouts import checkpointer_factory
+from art_megatron_ext.optim.manifest import CheckpointLayout, FileRecord, Manifest
 from art_megatron_ext.optim.optimizer_state import (
     OptimizerLayoutError,
     capture_optimizer_state,
     restore_optimizer_state,
 )
 from art_megatron_ext.optim.resident import (
-    CheckpointLayout,
-    ObjectiveMismatchError,
     Residency,
     ResidentKey,
     ResidentOptimizerStore,
     ResidentState,
-    TrainableStateError,
 )
 from art_megatron_ext.optim.schedule import PeriodicSaver, SaveSchedule
+from art_megatron_ext.optim.training_state import ObjectiveMismatchError, TrainableStateError
 
 __all__ = [
     "AsyncCheckpointer",
@@ -45,10 +46,10 @@ __all__ = [
     "CheckpointLayout",
     "CheckpointSaveError",
     "CheckpointWorldSizeError",
+    "Checkpointer",
     "DistCheckpointer",
-    "DistManifest",
-    "LoadedDist",
-    "LoadedShard",
+    "FileRecord",
+    "LoadedCheckpoint",
     "Manifest",
     "ObjectiveMismatchError",
     "OptimizerLayoutError",
@@ -57,10 +58,12 @@ __all__ = [
     "ResidentKey",
     "ResidentOptimizerStore",
     "ResidentState",
+    "Restore",
     "SaveSchedule",
     "ShardedCheckpointer",
     "TrainableStateError",
     "capture_optimizer_state",
+    "checkpointer_factory",
     "restore_optimizer_state",
     "snapshot_state",
 ]

@@ -1,35 +1,35 @@
-"""Asynchronous checkpoint saves: the training loop waits only for an in-memory snapshot.
+"""Background saves for both layouts: the training loop waits only for an in-memory snapshot.
 
 Why: a save writes, digests and fsyncs every byte of the state and then commits; done
-inline, the training loop stalls for all of it. Here `save` copies the state into host
-memory (the only part the caller waits for: afterwards the loop may change its tensors
-freely) and hands the copy to one background thread, which runs the normal crash-atomic
-save of `ShardedCheckpointer` (write + XXH3 digest in one pass, fsync, barrier, manifest
-rename). Saves are strictly ordered: the next `save`, `wait` or `close` first waits for the
-previous commit. A crash while a background save runs leaves the last committed generation,
-exactly as a crash inside a synchronous save does (the commit protocol is the same code).
+inline, the training loop stalls for all of it. `Checkpointer.save_async` copies what will
+be written into host memory (`snapshot_state`; the only part the caller waits for) and
+hands the rest of the save, the same crash-atomic code a synchronous save runs, to a
+background thread. A crash while it runs leaves the last committed generation, exactly as a
+crash inside a synchronous save does.
 
-Multi-rank: the background thread's barrier and broadcast must not interleave with the
-training loop's collectives on the same process group, so the background saves run on a
-group of their own (a gloo group over the same ranks, created collectively when the
-`AsyncCheckpointer` is built).
+The background thread's collectives (the barrier and broadcasts of the commit, Megatron's
+finalize on the dist layout) must never interleave with the training loop's, so they run on
+a gloo group of their own. One lane (a gloo group and the one thread that uses it) exists
+per set of ranks and is shared by every checkpointer in the process: the resident store
+makes a new checkpointer on each reload, and neither groups nor threads pile up; and since
+one thread runs every background save of a group in the order the saves were queued (the
+same order on every rank), two checkpointers' collectives cannot cross either.
 """
 
 from __future__ import annotations
 
-import logging
+import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from art_megatron_ext.optim.checkpoint import ShardedCheckpointer
-from art_megatron_ext.optim.manifest import Manifest
+from art_megatron_ext.optim.collective import RankGroup
 
-__all__ = ["AsyncCheckpointer", "snapshot_state"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["AsyncCheckpointer", "Lane", "checkpoint_lane", "snapshot_state"]
 
 
 def snapshot_state(state: Any) -> Any:
@@ -50,59 +50,71 @@ def snapshot_state(state: Any) -> Any:
     return state
 
 
-class AsyncCheckpointer:
-    """Background saves into `checkpointer`'s directory, one at a time, in call order.
+@dataclass
+class Lane:
+    """A checkpoint-only process group and the one thread that runs collectives on it."""
 
-    Building one is collective when torch.distributed is initialized (it creates the
-    background group). `save` and `wait` are collective like `ShardedCheckpointer.save`.
+    group: RankGroup
+    executor: ThreadPoolExecutor
+    world: object  # the default group it was made under (a new default group: a new lane)
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        return self.executor.submit(fn, *args)
+
+
+_LANES: dict[tuple[int, ...] | None, Lane] = {}
+_LANES_LOCK = threading.Lock()
+
+
+def _forget_lanes() -> None:
+    # A forked child has neither the parent's thread nor a usable copy of its group.
+    _LANES.clear()
+
+
+os.register_at_fork(after_in_child=_forget_lanes)
+
+
+def checkpoint_lane(ranks: tuple[int, ...] | None) -> Lane:
+    """The lane over `ranks` (global ranks; None: the world), made on first use.
+
+    Making one is collective over the world when torch.distributed is initialized
+    (`new_group`), so every rank must ask for the same lanes in the same order.
     """
-
-    def __init__(self, checkpointer: ShardedCheckpointer) -> None:
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.group.WORLD if distributed else None
+    with _LANES_LOCK:
+        lane = _LANES.get(ranks)
+        if lane is not None and lane.world is world:
+            return lane
+        if lane is not None:
+            lane.executor.shutdown(wait=False)
         group = None
-        if dist.is_available() and dist.is_initialized():
-            ranks = None
-            if checkpointer.group.group is not None:
-                ranks = dist.get_process_group_ranks(checkpointer.group.group)
-            group = dist.new_group(ranks=ranks, backend="gloo")
-        self._writer = ShardedCheckpointer(checkpointer.config, group=group, io=checkpointer.io)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-async")
-        self._pending: Future[Manifest] | None = None
-        self._pending_step: int | None = None
+        if distributed:
+            group = dist.new_group(ranks=None if ranks is None else list(ranks), backend="gloo")
+        lane = Lane(RankGroup(group), ThreadPoolExecutor(1, thread_name_prefix="ckpt-save"), world)
+        _LANES[ranks] = lane
+        return lane
+
+
+class AsyncCheckpointer:
+    """A checkpointer's `save_async` under the earlier API: `save` queues a background save
+    and returns its future; `wait` and `close` are the checkpointer's."""
+
+    def __init__(self, checkpointer: Any) -> None:
+        self.checkpointer = checkpointer
 
     @property
     def pending_step(self) -> int | None:
         """The step of a save that was queued and has not been waited for."""
-        return self._pending_step
+        return self.checkpointer.pending_step
 
-    def save(self, state: Any, *, step: int, objective: str) -> Future[Manifest]:
-        """Snapshot `state` and commit it as `step` in the background.
+    def save(self, state: Any, *, step: int, objective: str) -> Future:
+        """Snapshot `state` and commit it as `step` in the background (see
+        `Checkpointer.save_async`)."""
+        return self.checkpointer.save_async(state, step=step, objective=objective)
 
-        Waits for the previous save first and raises its error if it failed (nothing new is
-        queued then; the last committed generation stays). Returns the save's future.
-        """
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        self.wait()
-        snapshot = snapshot_state(state)
-        self._pending = self._executor.submit(
-            self._writer.save, snapshot, step=step, objective=objective
-        )
-        self._pending_step = step
-        return self._pending
+    def wait(self) -> Any:
+        return self.checkpointer.wait()
 
-    def wait(self) -> Manifest | None:
-        """Wait for the queued save's commit; returns its manifest (None if none was queued).
-
-        A failed save raises here, once.
-        """
-        pending, self._pending, self._pending_step = self._pending, None, None
-        if pending is None:
-            return None
-        return pending.result()
-
-    def close(self) -> Manifest | None:
-        """Wait for the queued save and stop the background thread."""
-        try:
-            return self.wait()
-        finally:
-            self._executor.shutdown(wait=True)
+    def close(self) -> Any:
+        return self.checkpointer.close()

@@ -1,45 +1,52 @@
-"""Crash-atomic sharded checkpoints: one shard per rank, committed by a manifest.
+"""The per-rank layout: one shard file per rank, committed by the shared manifest.
 
 Why: a trainer killed at any moment (preemption, OOM killer, SIGKILL) must restart from a
 complete generation, never from a mix of two. Each rank writes its shard to `<name>.tmp`,
-fsyncs and renames it; after a barrier rank 0 atomically replaces `CURRENT.json` (the only
-commit record) and fsyncs the directory; only then are the previous generation's files
-removed. Readers trust only the manifest and verify every digest. The on-disk layout is
-specified in docs/checkpoint-format.md.
+fsyncs and renames it; then the shared commit (`commit.py`: barrier, atomic replace of
+`CURRENT.json`, removal of older files) runs. Readers trust only the manifest and verify
+every digest in the pass that loads the shard. Fast, but loads only at the world size that
+wrote it (the dist_checkpointing layout reshards). Format: docs/checkpoint-format.md.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from art_megatron_ext.optim.async_save import snapshot_state
+from art_megatron_ext.optim.checkpointer import Checkpointer, LoadedCheckpoint, Restore, Staged
 from art_megatron_ext.optim.collective import RankGroup
+from art_megatron_ext.optim.commit import gather_or_raise
+from art_megatron_ext.optim.errors import (
+    CheckpointCorruptError,
+    CheckpointFormatError,
+    CheckpointWorldSizeError,
+)
 from art_megatron_ext.optim.fileio import CheckpointIO, digest_open_file, load_and_digest
 from art_megatron_ext.optim.manifest import (
     LEGACY_SHARD_RE,
     MANIFEST_NAME,
-    CheckpointFormatError,
+    CheckpointLayout,
+    FileRecord,
     Manifest,
-    ShardRecord,
-    is_checkpoint_file,
     shard_name,
 )
+from art_megatron_ext.optim.training_state import (
+    Params,
+    TrainableStateError,
+    apply_job_state,
+    job_state,
+    validated_job_state,
+)
 
-__all__ = [
-    "CheckpointConfig",
-    "CheckpointCorruptError",
-    "CheckpointSaveError",
-    "CheckpointWorldSizeError",
-    "LoadedShard",
-    "ShardedCheckpointer",
-]
+__all__ = ["CheckpointConfig", "ShardedCheckpointer"]
 
-logger = logging.getLogger(__name__)
 _PROC_FD = Path("/proc/self/fd").is_dir()  # open the same file again by its descriptor
 
 
@@ -51,18 +58,6 @@ def _to_device(state: Any, device: str) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(_to_device(v, device) for v in state)
     return state
-
-
-class CheckpointCorruptError(RuntimeError):
-    """A shard listed in the manifest is missing, has the wrong size or the wrong digest."""
-
-
-class CheckpointWorldSizeError(RuntimeError):
-    """The checkpoint was written by a different number of ranks (resharding is not done)."""
-
-
-class CheckpointSaveError(RuntimeError):
-    """Another rank failed its part of a save; the previous generation stays committed."""
 
 
 @dataclass(frozen=True)
@@ -83,90 +78,117 @@ class CheckpointConfig:
         object.__setattr__(self, "directory", Path(self.directory))
 
 
-@dataclass(frozen=True)
-class LoadedShard:
-    """This rank's state from the committed generation (or from a legacy shard set)."""
+class ShardedCheckpointer(Checkpointer):
+    """Saves and loads this rank's shard of a checkpoint directory (`Checkpointer`).
 
-    state: Any
-    step: int | None  # None for legacy shards, which carry no manifest
-    objective: str | None
-    generation: int | None
-    legacy: bool
-    path: Path
-
-
-class ShardedCheckpointer:
-    """Saves and loads this rank's shard of a checkpoint directory.
-
-    Every rank of `group` (default: the world, or a single process when torch.distributed is
-    not initialized) must call `save` and `load` together: both are collective.
+    `save(state, step=, objective=)` writes any tree of tensors and plain values that
+    `torch.load(weights_only=...)` reads back; `load()` returns this rank's state in
+    `LoadedCheckpoint.state`.
     """
+
+    layout = CheckpointLayout.PER_RANK
 
     def __init__(
         self, config: CheckpointConfig, *, group: Any = None, io: CheckpointIO | None = None
     ):
+        super().__init__(config.directory, group=group, io=io)
         self.config = config
-        self.group = RankGroup(group)
-        self.io = io or CheckpointIO()
-        self._last_generation: int | None = None
 
-    @property
-    def directory(self) -> Path:
-        return self.config.directory
+    # ---- for the resident store ----------------------------------------------------------
+    def payload_for(self, model: nn.Module, optimizer: Any, params: Params) -> tuple[Any, ...]:
+        return (job_state(optimizer, params),)
+
+    def restore_for(self, objective: str, params: Params) -> Restore | None:
+        loaded = self.load()
+        restored: Any = None
+        try:
+            if loaded is not None:
+                restored = validated_job_state(
+                    loaded.path, loaded.objective, objective, params, loaded.state
+                )
+            local: Any = "ok"
+        except Exception as exc:  # every rank must reach the barrier, or the others hang
+            local = exc
+        gather_or_raise(
+            self.group,
+            local,
+            lambda refusals: TrainableStateError(
+                f"another rank refused checkpoint {self.directory}: {refusals[0]}"
+            ),
+        )
+        if loaded is None:
+            return None
+        trainable, optim_state = restored
+        return Restore(
+            step=loaded.step or 0,
+            apply=lambda _model, optimizer, params: apply_job_state(
+                optimizer, params, trainable, optim_state, str(loaded.path)
+            ),
+        )
+
+    # ---- writing -------------------------------------------------------------------------
+    def _check_payload(self, payload: tuple[Any, ...]) -> None:
+        if len(payload) != 1:
+            raise TypeError(f"ShardedCheckpointer.save takes one state, got {len(payload)}")
+
+    def _stage(
+        self, payload: tuple[Any, ...], step: int, objective: str, *, snapshot: bool
+    ) -> Staged:
+        (state,) = payload
+        return Staged(step, objective, snapshot_state(state) if snapshot else state)
+
+    def _write(self, staged: Staged, group: RankGroup) -> list[FileRecord] | BaseException:
+        staged.generation = self._choose_generation(group, staged.step)
+        rank = group.rank
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            name = shard_name(staged.generation, rank, group.world_size)
+            size, digest = self.io.atomic_write(
+                self.directory / name, partial(torch.save, staged.data)
+            )
+            self.io.fsync_dir(self.directory)  # the rename is durable before any manifest
+            return [FileRecord(name=name, size=size, digest=digest, rank=rank)]
+        except Exception as exc:
+            return exc
+
+    def _check_commit(self, manifest: Manifest) -> None:
+        """Nothing to add: each shard was renamed into place and fsynced by its writer, and
+        the manifest names exactly the shards the ranks reported."""
 
     # ---- reading -------------------------------------------------------------------------
-    def committed(self) -> Manifest | None:
-        """The manifest of the committed generation, or None when there is none."""
-        path = self.directory / MANIFEST_NAME
+    def _load(self) -> LoadedCheckpoint | None:  # type: ignore[override]
+        """This rank's shard of the committed generation (or of a legacy shard set)."""
         try:
-            data = self.io.read_bytes(path)
-        except FileNotFoundError:
-            return None
-        return Manifest.from_json(data, path)
-
-    def load(self) -> LoadedShard | None:
-        """Load this rank's shard of the committed generation (collective).
-
-        Returns None when the directory holds no checkpoint. Raises on every rank when any
-        rank's shard is missing or corrupt, or the world size differs; nothing is loaded then.
-        """
-        try:
-            loaded: LoadedShard | str | None = self._load_local()
-            local_error: BaseException | None = None
-        except Exception as exc:  # every rank must reach the all-gather, or the others hang
-            loaded, local_error = f"rank {self.group.rank}: {type(exc).__name__}: {exc}", exc
-        outcomes = self.group.all_gather(loaded if isinstance(loaded, str) else "ok")
-        if local_error is not None:
-            raise local_error
-        failures = [o for o in outcomes if o != "ok"]
-        if failures:
-            raise CheckpointCorruptError(
+            loaded: LoadedCheckpoint | BaseException | None = self._load_local()
+        except Exception as exc:  # every rank must reach the barrier, or the others hang
+            loaded = exc
+        gather_or_raise(
+            self.group,
+            loaded if isinstance(loaded, BaseException) else "ok",
+            lambda failures: CheckpointCorruptError(
                 f"loading {self.directory} failed on another rank; nothing was loaded: "
                 + "; ".join(failures)
-            )
-        assert not isinstance(loaded, str)
-        if loaded is not None and loaded.generation is not None:
-            self._last_generation = loaded.generation
+            ),
+        )
+        assert not isinstance(loaded, BaseException)
         return loaded
 
-    def _load_local(self) -> LoadedShard | None:
-        manifest = self.committed()
+    def _load_local(self) -> LoadedCheckpoint | None:
+        manifest = self.latest()
         if manifest is None:
             return self._load_legacy()
         self._check_world_size(manifest.world_size)
         record = manifest.shard_for(self.group.rank)
         path = self.directory / record.name
-        state = self._load_verified(path, record, manifest)
-        return LoadedShard(
-            state=state,
+        return LoadedCheckpoint(
             step=manifest.step,
             objective=manifest.objective,
             generation=manifest.generation,
-            legacy=False,
             path=path,
+            state=self._load_verified(path, record, manifest),
         )
 
-    def _load_verified(self, path: Path, record: ShardRecord, manifest: Manifest) -> Any:
+    def _load_verified(self, path: Path, record: FileRecord, manifest: Manifest) -> Any:
         """Deserialize the shard and compute its digest in one pass (`load_and_digest`):
         every byte is read once, and the bytes that were verified are the bytes that were
         loaded even if the name is replaced meanwhile (one open file, `/proc/self/fd/N`).
@@ -216,8 +238,8 @@ class ShardedCheckpointer:
             raise CheckpointWorldSizeError(
                 f"checkpoint {self.directory} was saved by {saved} ranks but this job has "
                 f"{self.group.world_size}; resharding is not supported. Restart with world size "
-                f"{saved}, or point the job at another directory to start fresh. "
-                "Nothing was loaded."
+                f"{saved}, or point the job at another directory to start fresh (the "
+                "dist_checkpointing layout reshards). Nothing was loaded."
             )
 
     def legacy_shards(self) -> dict[int, Path]:
@@ -244,7 +266,7 @@ class ShardedCheckpointer:
             )
         return shards
 
-    def _load_legacy(self) -> LoadedShard | None:
+    def _load_legacy(self) -> LoadedCheckpoint | None:
         shards = self.legacy_shards()
         if not shards:
             return None
@@ -254,109 +276,6 @@ class ShardedCheckpointer:
             state = torch.load(
                 f, map_location=self.config.map_location, weights_only=self.config.weights_only
             )
-        return LoadedShard(
-            state=state, step=None, objective=None, generation=None, legacy=True, path=path
+        return LoadedCheckpoint(
+            step=None, objective=None, generation=None, path=path, state=state, legacy=True
         )
-
-    # ---- writing -------------------------------------------------------------------------
-    def save(self, state: Any, *, step: int, objective: str) -> Manifest:
-        """Write this rank's `state` as its shard of a new generation and commit it (collective).
-
-        On success every rank returns the new manifest and the previous generation's files
-        are gone. On failure every rank raises (the failing rank its own error, others
-        `CheckpointSaveError`) and the previous committed generation stays loadable.
-        """
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        try:
-            return self._save(state, step, objective)
-        except BaseException:
-            # Re-read the manifest before the next save: a failed commit may or may not have
-            # advanced it, and a new shard must never reuse a committed shard's name.
-            self._last_generation = None
-            raise
-
-    def _save(self, state: Any, step: int, objective: str) -> Manifest:
-        rank, world_size = self.group.rank, self.group.world_size
-        # Rank 0 picks the generation so all ranks agree even if their views of the
-        # directory differ (attribute caching on shared filesystems).
-        plan: int | str = "unset"
-        plan_error: BaseException | None = None
-        if rank == 0:
-            try:
-                plan = self._next_generation()
-            except Exception as exc:
-                plan, plan_error = f"rank 0: {type(exc).__name__}: {exc}", exc
-        plan = self.group.broadcast_from_first(plan)
-        if plan_error is not None:
-            raise plan_error
-        if isinstance(plan, str):
-            raise CheckpointSaveError(self._failure_text(step, [plan]))
-        generation = plan
-
-        local_error: BaseException | None = None
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            name = shard_name(generation, rank, world_size)
-            size, digest = self.io.atomic_write(
-                self.directory / name, lambda sink: torch.save(state, sink)
-            )
-            self.io.fsync_dir(self.directory)  # the rename is durable before any manifest names it
-            outcome: ShardRecord | str = ShardRecord(rank=rank, name=name, size=size, digest=digest)
-        except Exception as exc:
-            outcome, local_error = f"rank {rank}: {type(exc).__name__}: {exc}", exc
-        outcomes = self.group.all_gather(outcome)  # the barrier: every shard is durable here
-        if local_error is not None:
-            raise local_error
-        failures = [o for o in outcomes if isinstance(o, str)]
-        if failures:
-            raise CheckpointSaveError(self._failure_text(step, failures))
-
-        manifest = Manifest(
-            generation=generation,
-            step=step,
-            world_size=world_size,
-            objective=objective,
-            files=tuple(sorted(outcomes, key=lambda r: r.rank)),  # type: ignore[union-attr]
-        )
-        commit_error: BaseException | None = None
-        commit_outcome = "ok"
-        if rank == 0:
-            try:
-                body = manifest.to_json()
-                self.io.atomic_write(self.directory / MANIFEST_NAME, lambda sink: sink.write(body))
-                self.io.fsync_dir(self.directory)
-                self._remove_uncommitted(manifest)
-            except Exception as exc:
-                commit_error, commit_outcome = exc, f"rank 0 commit: {type(exc).__name__}: {exc}"
-        commit_outcome = self.group.broadcast_from_first(commit_outcome)
-        if commit_error is not None:
-            raise commit_error
-        if commit_outcome != "ok":
-            raise CheckpointSaveError(self._failure_text(step, [commit_outcome]))
-        self._last_generation = generation
-        return manifest
-
-    def _failure_text(self, step: int, failures: list[str]) -> str:
-        kept = "none" if self._last_generation is None else f"generation {self._last_generation}"
-        return (
-            f"save of step {step} to {self.directory} failed: {'; '.join(failures)}. "
-            f"The last committed checkpoint ({kept}) stays in effect."
-        )
-
-    def _next_generation(self) -> int:
-        if self._last_generation is None:
-            committed = self.committed()
-            self._last_generation = committed.generation if committed else 0
-        return self._last_generation + 1
-
-    def _remove_uncommitted(self, manifest: Manifest) -> None:
-        """Delete every checkpoint file the manifest does not list (old and crashed saves)."""
-        keep = {r.name for r in manifest.files} | {MANIFEST_NAME}
-        for path in self.directory.iterdir():
-            if path.name in keep or not is_checkpoint_file(path.name):
-                continue
-            try:
-                path.unlink()
-            except OSError as exc:  # the commit already happened: report, do not fail the save
-                logger.warning("could not remove uncommitted checkpoint file %s: %s", path, exc)

@@ -10,7 +10,9 @@ moments never leak into SFT.
 Works with any `torch.nn.Module` and any optimizer with `state_dict`/`load_state_dict`,
 including Megatron's `DistributedOptimizer` (its sharded main parameters and moments are
 saved too, see `optimizer_state.py`); the trainable state is every parameter with
-`requires_grad`. Saves may run in the background (`save_async`, `saver(async_save=True)`).
+`requires_grad`. The store checkpoints through a `Checkpointer` of the layout chosen at
+construction (`CheckpointLayout`); saves may run in the background (`save_async`,
+`saver(async_save=True)`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,18 +28,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from art_megatron_ext.optim.async_save import AsyncCheckpointer
-from art_megatron_ext.optim.checkpoint import CheckpointConfig, LoadedShard, ShardedCheckpointer
+from art_megatron_ext.optim.checkpointer import Checkpointer
 from art_megatron_ext.optim.collective import RankGroup
-from art_megatron_ext.optim.dist_checkpoint import DistCheckpointer, DistManifest
 from art_megatron_ext.optim.fileio import CheckpointIO
-from art_megatron_ext.optim.manifest import Manifest
-from art_megatron_ext.optim.optimizer_state import (
-    OptimizerLayoutError,
-    capture_optimizer_state,
-    restore_optimizer_state,
-)
+from art_megatron_ext.optim.layouts import checkpointer_factory
+from art_megatron_ext.optim.manifest import CheckpointLayout, Manifest
 from art_megatron_ext.optim.schedule import PeriodicSaver, SaveSchedule
+from art_megatron_ext.optim.training_state import (
+    ObjectiveMismatchError,
+    Params,
+    TrainableStateError,
+    job_state,
+)
 
 __all__ = [
     "CheckpointLayout",
@@ -51,14 +54,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BuildOptimizer = Callable[[list[nn.Parameter]], Any]
-
-
-class ObjectiveMismatchError(RuntimeError):
-    """The checkpoint at the optimizer path was written for another objective."""
-
-
-class TrainableStateError(RuntimeError):
-    """A checkpoint's trainable tensors do not match the model's trainable parameters."""
 
 
 @dataclass(frozen=True)
@@ -91,18 +86,6 @@ class ResidentKey:
         return ", ".join(changed)
 
 
-class CheckpointLayout(enum.Enum):
-    """Where the store checkpoints (docs/checkpoint-format.md).
-
-    PER_RANK: one file per rank (`ShardedCheckpointer`); any optimizer; async saves; loads only
-    at the saving layout. DIST: Megatron `dist_checkpointing` (`DistCheckpointer`); Megatron's
-    DistributedOptimizer only; async saves; loads at any TP/DP layout.
-    """
-
-    PER_RANK = "per-rank"
-    DIST = "dist_checkpointing"
-
-
 class Residency(enum.Enum):
     """How a job's state was obtained."""
 
@@ -121,68 +104,41 @@ class ResidentState:
     residency: Residency
     reason: str
     step: int
-    checkpointer: ShardedCheckpointer
-    _params: tuple[tuple[str, nn.Parameter], ...] = field(repr=False)
+    checkpointer: Checkpointer  # of `key.optimizer_path`, in the store's layout
+    _params: Params = field(repr=False)
     # Set when a job using this state ended with an exception: its in-memory parameters and
     # moments may be half-updated, so the next job reloads the last committed checkpoint.
     failed: str | None = None
-
-    _async: AsyncCheckpointer | None = field(default=None, repr=False)
-    dist_checkpointer: DistCheckpointer | None = field(default=None, repr=False)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self._params}
 
     def state_dict(self) -> dict[str, Any]:
         """Trainable tensors and the optimizer's complete state (live tensors, not copies)."""
-        return {
-            "trainable": self.trainable_state(),
-            "optimizer": capture_optimizer_state(self.optimizer, self._params),
-        }
+        return job_state(self.optimizer, self._params)
 
-    def save(self, step: int) -> Manifest | DistManifest:
-        """Commit this rank's trainable and optimizer state as checkpoint step `step`."""
-        self.wait_for_saves()
-        if self.dist_checkpointer is not None:
-            dist_manifest = self.dist_checkpointer.save(
-                _megatron_module(self.model),
-                self.optimizer,
-                step=step,
-                objective=self.key.objective,
-            )
-            self.step = step
-            return dist_manifest
-        manifest = self.checkpointer.save(
-            self.state_dict(), step=step, objective=self.key.objective
-        )
+    def save(self, step: int) -> Manifest:
+        """Commit this rank's trainable and optimizer state as checkpoint step `step`
+        (collective; waits for a background save first)."""
+        manifest = self.checkpointer.save(*self._payload(), step=step, objective=self.key.objective)
         self.step = step
         return manifest
 
-    def save_async(self, step: int) -> None:
+    def save_async(self, step: int) -> Future[Manifest]:
         """Snapshot the state now and commit it as step `step` in the background.
 
         Returns once the snapshot is taken (the loop may then step the optimizer). Waits for
         the previous background save first and raises its error if it failed.
         """
-        if self.dist_checkpointer is not None:
-            self.dist_checkpointer.save_async(
-                _megatron_module(self.model),
-                self.optimizer,
-                step=step,
-                objective=self.key.objective,
-            )
-            self.step = step
-            return
-        if self._async is None:
-            self._async = AsyncCheckpointer(self.checkpointer)
-        self._async.save(self.state_dict(), step=step, objective=self.key.objective)
+        future = self.checkpointer.save_async(
+            *self._payload(), step=step, objective=self.key.objective
+        )
         self.step = step
+        return future
 
-    def wait_for_saves(self) -> Manifest | DistManifest | None:
+    def wait_for_saves(self) -> Manifest | None:
         """Wait for a background save's commit (raises its error); None when none is queued."""
-        if self.dist_checkpointer is not None:
-            return self.dist_checkpointer.wait()
-        return None if self._async is None else self._async.wait()
+        return self.checkpointer.wait()
 
     def saver(
         self, schedule: SaveSchedule | None = None, *, async_save: bool = False
@@ -205,13 +161,11 @@ class ResidentState:
         """Stop trusting the in-memory state; the next `acquire` loads the checkpoint."""
         self.failed = f"{type(exc).__name__}: {exc}"
 
-
-def _megatron_module(model: nn.Module) -> nn.Module:
-    """The Megatron module inside a DDP wrapper (its `sharded_state_dict` names the LoRA)."""
-    return getattr(model, "module", model)
+    def _payload(self) -> tuple[Any, ...]:
+        return self.checkpointer.payload_for(self.model, self.optimizer, self._params)
 
 
-def _trainable(model: nn.Module) -> tuple[tuple[str, nn.Parameter], ...]:
+def _trainable(model: nn.Module) -> Params:
     return tuple((n, p) for n, p in model.named_parameters() if p.requires_grad)
 
 
@@ -240,17 +194,12 @@ class ResidentOptimizerStore:
     ) -> None:
         """`weights_only=False` admits optimizers whose state_dict holds arbitrary objects.
 
-        `layout=CheckpointLayout.DIST` checkpoints with Megatron's `dist_checkpointing`
+        `layout` is chosen here, once: DIST checkpoints with Megatron's `dist_checkpointing`
         (model: a Megatron module or DDP around one; optimizer: DistributedOptimizer)."""
-        if not isinstance(layout, CheckpointLayout):
-            raise TypeError(f"layout must be a CheckpointLayout, got {layout!r}")
-        if layout is CheckpointLayout.DIST and group is not None:
-            raise ValueError("the dist_checkpointing layout runs on the default process group")
-        self._layout = layout
-        self._group = group
+        self._open_checkpointer = checkpointer_factory(
+            layout, group=group, io=io, weights_only=weights_only
+        )
         self._ranks = RankGroup(group)
-        self._io = io
-        self._weights_only = weights_only
         self._resident: ResidentState | None = None
 
     @property
@@ -281,8 +230,8 @@ class ResidentOptimizerStore:
         Raises:
             ObjectiveMismatchError, TrainableStateError, checkpoint errors: raised before
             anything changes; the previous resident state (if any) stays in effect. An error
-            from `build_optimizer` or the optimizer's `load_state_dict` leaves nothing
-            resident (the previous state was already dropped to free its memory).
+            from `build_optimizer` or loading into the new optimizer leaves nothing resident
+            (the previous state was already dropped to free its memory).
         """
         params = _trainable(model)
         if not params:
@@ -309,21 +258,20 @@ class ResidentOptimizerStore:
         if current is not None:
             # A background save must commit before its directory is read or dropped.
             current.wait_for_saves()
-        checkpointer = ShardedCheckpointer(
-            CheckpointConfig(key.optimizer_path, weights_only=self._weights_only),
-            group=self._group,
-            io=self._io,
-        )
-        dist_ck = None
-        if self._layout is CheckpointLayout.DIST:
-            dist_ck = DistCheckpointer(key.optimizer_path, io=self._io)
-            optimizer, residency, step = self._restore_dist(
-                key, model, params, build_optimizer, reset_trainable, dist_ck
-            )
+        checkpointer = self._open_checkpointer(key.optimizer_path)
+        restore = checkpointer.restore_for(key.objective, params)  # raises before any change
+        # Everything that can be checked was checked: drop the previous state before building
+        # the new optimizer, so two optimizers' moments never coexist in device memory.
+        self._resident = None
+        if restore is None:
+            if reset_trainable is not None:
+                reset_trainable(model)
+            optimizer = build_optimizer([p for _, p in params])
+            residency, step = Residency.REBUILT, 0
         else:
-            optimizer, residency, step = self._restore_per_rank(
-                key, model, params, build_optimizer, reset_trainable, checkpointer
-            )
+            optimizer = build_optimizer([p for _, p in params])
+            restore.apply(model, optimizer, params)
+            residency, step = Residency.LOADED, restore.step
         state = ResidentState(
             key=key,
             model=model,
@@ -333,81 +281,10 @@ class ResidentOptimizerStore:
             step=step,
             checkpointer=checkpointer,
             _params=params,
-            dist_checkpointer=dist_ck,
         )
         logger.info("optimizer state %s for %s (%s)", residency.value, key, reason)
         self._resident = state
         return state
-
-    def _restore_per_rank(
-        self,
-        key: ResidentKey,
-        model: nn.Module,
-        params: tuple[tuple[str, nn.Parameter], ...],
-        build_optimizer: BuildOptimizer,
-        reset_trainable: Callable[[nn.Module], None] | None,
-        checkpointer: ShardedCheckpointer,
-    ) -> tuple[Any, Residency, int]:
-        """(optimizer, residency, step) from the per-rank layout, or rebuilt without one."""
-        loaded = checkpointer.load()
-        restored, local_error = None, None
-        try:
-            restored = None if loaded is None else _validated_payload(key, params, loaded)
-        except (ObjectiveMismatchError, TrainableStateError, OptimizerLayoutError) as exc:
-            local_error = exc
-        errors = [
-            e
-            for e in self._ranks.all_gather(None if local_error is None else str(local_error))
-            if e
-        ]
-        if local_error is not None:
-            raise local_error
-        if errors:
-            raise TrainableStateError(
-                f"another rank refused checkpoint {key.optimizer_path}: {errors[0]}"
-            )
-        # Everything that can be checked was checked: drop the previous state before building
-        # the new optimizer, so two optimizers' moments never coexist in device memory.
-        self._resident = None
-        if restored is None:
-            if reset_trainable is not None:
-                reset_trainable(model)
-            return build_optimizer([p for _, p in params]), Residency.REBUILT, 0
-        trainable, optim_state = restored
-        optimizer = build_optimizer([p for _, p in params])
-        assert loaded is not None
-        # Optimizer first: a layout mismatch raises before the model is touched. (For fp32
-        # parameters a distributed optimizer's main shard is a view of the parameter; the
-        # copy below writes the same values again.)
-        restore_optimizer_state(optimizer, optim_state, params, source=str(loaded.path))
-        if trainable is not None:
-            with torch.no_grad():
-                for name, p in params:
-                    p.copy_(trainable[name])
-        return optimizer, Residency.LOADED, loaded.step or 0
-
-    def _restore_dist(
-        self,
-        key: ResidentKey,
-        model: nn.Module,
-        params: tuple[tuple[str, nn.Parameter], ...],
-        build_optimizer: BuildOptimizer,
-        reset_trainable: Callable[[nn.Module], None] | None,
-        dist_ck: DistCheckpointer,
-    ) -> tuple[Any, Residency, int]:
-        """(optimizer, residency, step) from the dist_checkpointing layout, or rebuilt."""
-        manifest = dist_ck.committed()
-        if manifest is not None and manifest.objective != key.objective:
-            raise _objective_mismatch(key.optimizer_path, manifest.objective, key.objective)
-        self._resident = None
-        if manifest is None:
-            if reset_trainable is not None:
-                reset_trainable(model)
-            return build_optimizer([p for _, p in params]), Residency.REBUILT, 0
-        optimizer = build_optimizer([p for _, p in params])
-        loaded = dist_ck.load(_megatron_module(model), optimizer)
-        assert loaded is not None
-        return optimizer, Residency.LOADED, loaded.step
 
     @staticmethod
     def _why_not_reused(current: ResidentState | None, key: ResidentKey, model: nn.Module) -> str:
@@ -420,43 +297,3 @@ class ResidentOptimizerStore:
         if current.model is not model:
             return "another model object"
         return "the model's trainable parameters changed"
-
-
-def _objective_mismatch(path: Any, found: str | None, expected: str) -> ObjectiveMismatchError:
-    return ObjectiveMismatchError(
-        f"checkpoint {path} holds {found!r} optimizer state but the job's objective is "
-        f"{expected!r}; refusing to mix their moments. Use a separate optimizer_path per "
-        "objective. Nothing was loaded; the previous state stays."
-    )
-
-
-def _validated_payload(
-    key: ResidentKey, params: tuple[tuple[str, nn.Parameter], ...], loaded: LoadedShard
-) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
-    """(trainable tensors or None for legacy, optimizer state_dict), checked against the job."""
-    if loaded.objective is not None and loaded.objective != key.objective:
-        raise _objective_mismatch(loaded.path, loaded.objective, key.objective)
-    payload = loaded.state
-    if isinstance(payload, dict) and "optimizer" in payload:
-        trainable, optim_state = payload.get("trainable"), payload["optimizer"]
-    else:  # legacy shards held only the optimizer's state_dict
-        trainable, optim_state = None, payload
-    if trainable is not None:
-        _check_trainable(loaded.path, params, trainable)
-    return trainable, optim_state
-
-
-def _check_trainable(
-    path: Path, params: tuple[tuple[str, nn.Parameter], ...], trainable: dict[str, torch.Tensor]
-) -> None:
-    want = {n: tuple(p.shape) for n, p in params}
-    have = {n: tuple(t.shape) for n, t in trainable.items()}
-    if want != have:
-        missing = sorted(set(want) - set(have))
-        extra = sorted(set(have) - set(want))
-        reshaped = sorted(n for n in set(want) & set(have) if want[n] != have[n])
-        raise TrainableStateError(
-            f"checkpoint {path} does not match the model's trainable parameters (missing "
-            f"{missing}, unexpected {extra}, other shape {reshaped}). Nothing was loaded; the "
-            "previous state stays."
-        )

@@ -420,7 +420,7 @@ def main(config_path: str) -> int:
                 lease_result = None
                 if lease is not None:  # the slot moved on; version N must not have
                     lease_result = lease.finish(publisher.published)
-                manifest = state.checkpointer.committed()
+                manifest = state.checkpointer.latest()
                 summary = {
                     "steps": cfg.steps,
                     "updates_published": publisher.published,

@@ -119,7 +119,7 @@ def main() -> None:
         _, status = os.waitpid(pid, 0)
         reported = last_reported(read_fd, first)
         os.close(read_fd)
-        committed = ShardedCheckpointer(CheckpointConfig(args.dir)).committed()
+        committed = ShardedCheckpointer(CheckpointConfig(args.dir)).latest()
         listed = {r.name for r in committed.files} if committed else set()
         debris = (
             sorted(

@@ -101,7 +101,7 @@ def _async_worker(rank: int, world_size: int, root: str) -> dict:
         if rank == 0:
             out["write_started_in_background"] = io.entered[2].wait(300)
         out["returned_before_commit"] = not first.done()
-        out["committed_while_writing"] = ck.committed().generation
+        out["committed_while_writing"] = ck.latest().generation
         train_step(ddp, optimizer, 3, rows)  # the loop goes on (default-group collectives)
 
         second_called = threading.Event()
@@ -110,7 +110,7 @@ def _async_worker(rank: int, world_size: int, root: str) -> dict:
         second_called.set()
         second = ck.save_async(ddp.module, optimizer, step=3, objective="rl")
         out["first_done_when_second_returned"] = first.done() and first.result().generation
-        out["committed_when_second_returned"] = ck.committed().generation
+        out["committed_when_second_returned"] = ck.latest().generation
         if rank == 0:
             assert io.entered[3].wait(300)
         train_step(ddp, optimizer, 4, rows)  # changes what generation 3 would hold if live

@@ -9,17 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from art_megatron_ext.optim import CheckpointFormatError
-from art_megatron_ext.optim.dist_checkpoint import (
-    DistFile,
-    DistManifest,
-    _refuse_format1_gated_grouped,
-)
+from art_megatron_ext.optim import CheckpointFormatError, CheckpointLayout, FileRecord, Manifest
+from art_megatron_ext.optim.dist_checkpoint import _refuse_format1_gated_grouped
 
 
-def _manifest(version: int = 2) -> DistManifest:
-    files = (DistFile("__0_0.distcp", 10, "0" * 32),)
-    return DistManifest(3, 7, 2, "rl", files, format_version=version)
+def _manifest(version: int = 2) -> Manifest:
+    files = (FileRecord("__0_0.distcp", 10, "0" * 32),)
+    return Manifest(3, 7, 2, "rl", files, layout=CheckpointLayout.DIST, format_version=version)
 
 
 def _factory(dims: int):
@@ -32,12 +28,12 @@ def _factory(dims: int):
 def test_format_2_is_written_and_format_1_is_read_back():
     body = json.loads(_manifest().to_json())
     assert body["format_version"] == 2
-    assert DistManifest.from_json(json.dumps(body).encode(), Path("x")).format_version == 2
+    assert Manifest.from_json(json.dumps(body).encode(), Path("x")).format_version == 2
     body["format_version"] = 1
-    assert DistManifest.from_json(json.dumps(body).encode(), Path("x")).format_version == 1
+    assert Manifest.from_json(json.dumps(body).encode(), Path("x")).format_version == 1
     body["format_version"] = 3
     with pytest.raises(CheckpointFormatError, match="format_version 3"):
-        DistManifest.from_json(json.dumps(body).encode(), Path("x"))
+        Manifest.from_json(json.dumps(body).encode(), Path("x"))
 
 
 def test_format_1_with_a_gated_grouped_expert_lora_is_refused_naming_the_entry(tmp_path):

@@ -73,7 +73,7 @@ def _save_worker(rank: int, world_size: int, root: str) -> dict:
                         out["failed_commit"] = None
                     except Exception as exc:
                         out["failed_commit"] = type(exc).__name__
-                    out["after_failure_generation"] = ck.committed().generation
+                    out["after_failure_generation"] = ck.latest().generation
                     out["after_failure_dirs"] = sorted(p.name for p in directory.iterdir())
                 second = ck.save(ddp.module, optimizer, step=2, objective="rl")
                 out[f"{case}_generations"] = (first.generation, second.generation)

@@ -1,4 +1,4 @@
-"""Manifest JSON: round trip, and refusal of manifests a reader must not trust."""
+"""Manifest JSON of both layouts: round trip, and refusal of manifests a reader must not trust."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from art_megatron_ext.optim.manifest import (
     CheckpointFormatError,
+    CheckpointLayout,
+    FileRecord,
     Manifest,
-    ShardRecord,
+    generation_dir_name,
     is_checkpoint_file,
     shard_name,
 )
@@ -22,7 +24,7 @@ SOURCE = Path("/ckpt/CURRENT.json")
 
 def manifest(world_size: int, generation: int = 3, step: int = 15, objective: str = "rl"):
     files = tuple(
-        ShardRecord(
+        FileRecord(
             rank=r, name=shard_name(generation, r, world_size), size=100 + r, digest="ab" * 16
         )
         for r in range(world_size)
@@ -30,6 +32,7 @@ def manifest(world_size: int, generation: int = 3, step: int = 15, objective: st
     return Manifest(generation, step, world_size, objective, files)
 
 
+@settings(deadline=None)  # a shared, loaded box: no timed assertions
 @given(
     world_size=st.integers(1, 16),
     generation=st.integers(1, 10**8 - 1),
@@ -71,5 +74,20 @@ def test_cleanup_recognises_only_checkpoint_files():
     assert is_checkpoint_file(shard_name(7, 1, 2) + ".tmp")
     assert is_checkpoint_file("CURRENT.json.tmp")
     assert is_checkpoint_file("03-of-04.pt")
+    assert is_checkpoint_file(generation_dir_name(7))
     assert not is_checkpoint_file("adapter_model.safetensors")
     assert not is_checkpoint_file("notes.pt")
+
+
+def test_a_dist_manifest_round_trips_without_ranks_and_names_its_generation_directory():
+    files = (FileRecord("__0_0.distcp", 10, "0" * 32), FileRecord(".metadata", 5, "1" * 32))
+    m = Manifest(4, 9, 2, "rl", files, layout=CheckpointLayout.DIST)
+    body = json.loads(m.to_json())
+    assert (
+        body["format"] == "art-pipeline/dist-checkpoint" and body["directory"] == m.directory_name
+    )
+    assert body["layout"] == "megatron.core.dist_checkpointing/torch_dist"
+    assert all("rank" not in f for f in body["files"])
+    assert Manifest.from_json(m.to_json(), SOURCE) == m
+    assert m.kept_names() == {"gen-00000004.dist"}
+    assert manifest(2).kept_names() == {r.name for r in manifest(2).files}

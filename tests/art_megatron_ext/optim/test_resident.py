@@ -104,7 +104,7 @@ def test_rl_reused_then_sft_rebuilt_then_rl_other_path_loaded(tmp_path):
     assert job2.optimizer is job1.optimizer and job2.step == 3
     train(job2, steps=2, target=1.0)  # step 5 is due: saved
     rl_end = snapshot(job2)
-    assert ShardedCheckpointer(CheckpointConfig(rl_a.optimizer_path)).committed().step == 5
+    assert ShardedCheckpointer(CheckpointConfig(rl_a.optimizer_path)).latest().step == 5
 
     sft = ResidentKey("session-1", "sft", tmp_path / "sft")
     job3 = store.acquire(sft, model, adamw, reset_trainable=reset_lora)
