@@ -7,7 +7,7 @@ not (so it can drain them from the balancer and bring them back). One publish is
 operation: the same `operation_id` goes to every replica, so a retry after a lost answer is
 recognised by the replica instead of applied twice.
 
-Rules (README "Several servers: the fleet"):
+Rules (docs/scale-out.md, "Several servers: the fleet"):
 - `publish(slot, path, version)` posts the update to every replica concurrently (one thread
   each), retries connection errors, timeouts and 5xx with backoff up to the deadline
   (`RetryPolicy`), never retries a 4xx. A 409 is checked against the replica's
