@@ -3,10 +3,11 @@
 Why this shape: stock `vllm serve` has no `--plugin` flag and parses its arguments before any
 plugin is selected. But while it builds the `serve` parser, `AsyncEngineArgs.add_cli_args`
 calls `load_general_plugins()` and then `EngineArgs.add_cli_args(parser)`. Our general plugin
-wraps the latter (once, idempotently) so that the `serve` parser gains `--plugin`. The option's
-argparse action runs during parsing, in the API-server process, before any engine or worker
-process exists: it adds the names to `VLLM_PLUGINS` (inherited by every process vLLM starts)
-and activates the art plugin in the API server itself, whose general plugins already loaded.
+wraps the latter (`add_serve_options`, applied once by `art_vllm_plugin.install.install_cli`)
+so that the `serve` parser gains `--plugin`. The option's argparse action runs during parsing,
+in the API-server process, before any engine or worker process exists: it adds the names to
+`VLLM_PLUGINS` (inherited by every process vLLM starts) and activates the art plugin in the
+API server itself, whose general plugins already loaded (`on_select`, given by the loader).
 
 Limitation (documented in the README): the hook exists only if the general plugin loaded,
 i.e. when `VLLM_PLUGINS` is unset or already names `art`. With `VLLM_PLUGINS=other`, argparse
@@ -17,15 +18,21 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 from art_vllm_plugin.selection import PLUGIN_NAME, select
 
 OPTION = "--plugin"
-_MARK = "__art_plugin_option__"
 
 
 class PluginAction(argparse.Action):
-    """Parses `NAME[,NAME]`, may repeat; selects the named plugins for all vLLM processes."""
+    """Parses `NAME[,NAME]`, may repeat; selects the named plugins for all vLLM processes.
+
+    `on_select()` runs when `art` is among them (the loader's `activate`)."""
+
+    def __init__(self, *args, on_select: Callable[[], None] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_select = on_select
 
     def __call__(self, parser, namespace, values, option_string=None):
         names = [n.strip() for n in str(values).split(",")]
@@ -34,23 +41,24 @@ class PluginAction(argparse.Action):
         current = list(getattr(namespace, self.dest, None) or [])
         setattr(namespace, self.dest, current + [n for n in names if n not in current])
         select(names)
-        if PLUGIN_NAME in names:
-            from art_vllm_plugin.plugin_loader import activate
-
-            activate()
+        if PLUGIN_NAME in names and self.on_select is not None:
+            self.on_select()
 
 
 def _is_serve_parser(parser: argparse.ArgumentParser) -> bool:
     return parser.prog.split()[-1:] == ["serve"] and not parser.prog.startswith("vllm bench")
 
 
-def add_plugin_option(parser: argparse.ArgumentParser) -> None:
+def add_plugin_option(
+    parser: argparse.ArgumentParser, on_select: Callable[[], None] | None = None
+) -> None:
     """Add `--plugin` to `parser` unless it already has it."""
     if OPTION in parser._option_string_actions:
         return
     parser.add_argument(
         OPTION,
         action=PluginAction,
+        on_select=on_select,
         dest="plugins",
         metavar="NAME[,NAME]",
         help="Select vLLM plugins by entry-point name (sets VLLM_PLUGINS for every vLLM "
@@ -137,22 +145,18 @@ def add_art_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def install_plugin_option() -> None:
-    """Wrap `EngineArgs.add_cli_args` so the `vllm serve` parser gains `--plugin` (once)."""
-    from art_vllm_plugin import compat
+def add_serve_options(on_select: Callable[[], None]):
+    """Wrapper maker for `EngineArgs.add_cli_args`: the `serve` parser gains `--plugin` and
+    the art options."""
 
-    engine_args = compat.engine_args_class()
-    original = engine_args.add_cli_args
-    if getattr(original, _MARK, False):
-        return
+    def make(original):
+        def add_cli_args(parser, *args, **kwargs):
+            parser = original(parser, *args, **kwargs)
+            if _is_serve_parser(parser):
+                add_plugin_option(parser, on_select)
+                add_art_options(parser)
+            return parser
 
-    def add_cli_args(parser, *args, **kwargs):
-        parser = original(parser, *args, **kwargs)
-        if _is_serve_parser(parser):
-            add_plugin_option(parser)
-            add_art_options(parser)
-        return parser
+        return add_cli_args
 
-    setattr(add_cli_args, _MARK, True)
-    add_cli_args.__wrapped__ = original
-    engine_args.add_cli_args = staticmethod(add_cli_args)
+    return make

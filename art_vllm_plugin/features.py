@@ -1,10 +1,11 @@
-"""The plugin's features and whether each is really on in this server.
+"""The capability table: the plugin's features and whether each is really on in a server.
 
 `GET /art/v1/capabilities` reports this table so a trainer can check, before it relies on a
 behaviour, that the server it talks to has it. A feature's state comes from the running
-server (`ServerFacts`, recorded by the endpoint plugin when the API server starts), not from a
-constant: in-flight updates, for example, are off on a server started without
-`--enable-lora`, and the report says why.
+server (`ServerFacts`, recorded on the API server's state by the endpoint plugin when the API
+server starts), not from a constant: in-flight updates, for example, are off on a server
+started without `--enable-lora`, and the report says why. Which hooks make the features
+work: `art_vllm_plugin.install`.
 """
 
 from __future__ import annotations
@@ -108,54 +109,21 @@ _declare(
     _needs_routes,
 )
 
-#: Set once per API server by the endpoint plugin (`record_facts`).
-_FACTS: list[ServerFacts] = []
 
-
-def record_facts(facts: ServerFacts) -> None:
-    _FACTS[:] = [facts]
-
-
-def activate_all() -> None:
-    """Install the EngineCore and worker hooks (class patches, idempotent, any process).
-
-    API-server hooks (response spans) are installed by the endpoint plugin, which only runs
-    in the API server.
-    """
-    from art_vllm_plugin import compat
-    from art_vllm_plugin.engine_core import core_pinning, slot_updates
-    from art_vllm_plugin.worker import lora_slot_writer
-
-    slot_updates.install(compat.engine_core_class())
-    lora_slot_writer.install(compat.worker_base_class())
-    core_pinning.install(compat.engine_core_proc_classes())
-
-    from art_vllm_plugin.routes import config as routes_config
-
-    routes_config.install(compat.vllm_config_class(), compat.routes_use_worker_path)
-    if routes_config.selected() and compat.is_cpu_platform():
-        from art_vllm_plugin.worker import route_capture
-
-        route_capture.install(compat.cpu_v1_model_runner_class())
-    if compat.is_cpu_platform():
-        from art_vllm_plugin.worker import moe_lora_cpu
-
-        moe_lora_cpu.install(compat.fused_moe_config_class(), compat.lora_model_manager_class())
-
-
-def snapshot() -> dict[str, dict[str, object]]:
-    """Each feature's state: `enabled`, `description`, and `reason` when it is off."""
+def snapshot(facts: ServerFacts | None) -> dict[str, dict[str, object]]:
+    """Each feature's state: `enabled`, `description`, and `reason` when it is off (every
+    feature is off, "not recorded yet", before the API server recorded its facts)."""
     out: dict[str, dict[str, object]] = {}
     for f in _FEATURES.values():
-        reason = f.off_reason(_FACTS[0]) if _FACTS else "server state not recorded yet"
+        reason = f.off_reason(facts) if facts is not None else "server state not recorded yet"
         entry: dict[str, object] = {"enabled": reason is None, "description": f.description}
         if reason is not None:
             entry["reason"] = reason
         out[f.name] = entry
-    if _FACTS and _FACTS[0].refused_slots and "inflight_lora_update" in out:
-        out["inflight_lora_update"]["refused_slots"] = dict(_FACTS[0].refused_slots)
+    if facts is not None and facts.refused_slots and "inflight_lora_update" in out:
+        out["inflight_lora_update"]["refused_slots"] = dict(facts.refused_slots)
     return out
 
 
-def enabled_names() -> list[str]:
-    return [name for name, entry in snapshot().items() if entry["enabled"]]
+def enabled_names(facts: ServerFacts | None) -> list[str]:
+    return [name for name, entry in snapshot(facts).items() if entry["enabled"]]

@@ -9,6 +9,9 @@ possibly more than once per process. `load()` is idempotent:
 2. Only when the plugin is selected (`VLLM_PLUGINS` names `art`), it checks the vLLM version
    and activates the plugin's features for this process. Unselected, nothing else changes.
 
+Which hooks each step installs, in which order: `art_vllm_plugin.install`. The process is
+active once they are all in place (`install.is_active`); no flag of its own is kept.
+
 The `/art/*` routes (an `EndpointPlugin`) and the metrics feed (a `StatLoggerBase`) are handed
 to vLLM's own plugin loading, `load_plugins_by_group`, for the endpoint and stat-logger groups,
 only when the plugin is selected. They are deliberately not entry points of those groups:
@@ -22,42 +25,35 @@ from __future__ import annotations
 import logging
 import os
 
+from art_vllm_plugin import install
 from art_vllm_plugin.selection import PLUGIN_NAME, is_selected
 
 logger = logging.getLogger("vllm.art_plugin")  # propagates to vLLM's handlers
 
-_state = {"cli_hook": False, "activated": False}
-_MARK = "__art_plugin_groups__"
-
 
 def load() -> None:
-    if not _state["cli_hook"]:
-        from art_vllm_plugin.cli import install_plugin_option
-
-        install_plugin_option()
-        _state["cli_hook"] = True
+    install.install_cli(on_select=activate)
     if is_selected():
         activate()
 
 
 def activate() -> None:
     """Check the vLLM version and switch the plugin on in this process (once)."""
-    if _state["activated"]:
+    if install.is_active():
         return
-    from art_vllm_plugin import compat, features
+    from art_vllm_plugin import compat
 
     version = compat.require_supported_vllm()
-    compat.wrap_load_plugins_by_group(_with_art_plugins, _MARK)
-    features.activate_all()
-    _state["activated"] = True
+    install.install_selected_process(plugin_handover=with_art_plugins)
     logger.info("art plugin active in pid %d (vLLM %s)", os.getpid(), version)
 
 
 def is_active() -> bool:
-    return _state["activated"]
+    """Whether the plugin is switched on in this process (`install.is_active`)."""
+    return install.is_active()
 
 
-def _with_art_plugins(original):
+def with_art_plugins(original):
     """`load_plugins_by_group` that adds the art endpoint plugin and stat logger when selected."""
     from art_vllm_plugin import compat
 
@@ -75,5 +71,4 @@ def _with_art_plugins(original):
             plugins.setdefault(PLUGIN_NAME, ArtStatLogger)
         return plugins
 
-    load_plugins_by_group.__wrapped__ = original
     return load_plugins_by_group

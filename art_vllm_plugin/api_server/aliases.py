@@ -6,14 +6,15 @@ tokens' spans show it and the response is refused (409) as well: a client that a
 `policy@7` never receives a token from another version.
 
 The version an alias is checked against is EngineCore's (the slot registry every API server
-shares): before an alias request is resolved, `install_refresh` has the API server re-read the
-registry (one utility call), so an update that returned through another API server is seen.
-Requests that name no alias pay nothing.
+shares): before an alias request is resolved, the API server re-reads the registry (one
+utility call), so an update that returned through another API server is seen. Requests that
+name no alias pay nothing. The hooks that do this around vLLM's handlers are in
+`api_server/alias_requests.py`; exact leases (`slot@N` pinned) resolve before slot aliases
+(`ApiServerState.resolve_alias`).
 """
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 
@@ -36,13 +37,13 @@ class Alias:
         return f"{self.slot}@{self.version}"
 
 
+def is_alias(model: str | None) -> bool:
+    """Whether `model` has the form `slot@N` (of any slot)."""
+    return ALIAS.match(model or "") is not None
+
+
 def resolve(model: str | None, slots: dict) -> Alias | None:
     """The alias named by `model`, if it is one of a known slot; raises if not servable."""
-    from art_vllm_plugin.api_server import leases  # exact leases: `slot@N` pinned
-
-    leased = leases.resolve_alias(model)
-    if leased is not None:
-        return leased
     match = ALIAS.match(model or "")
     if match is None or match["slot"] not in slots:
         return None
@@ -64,36 +65,3 @@ def check_choices(alias: Alias, choices) -> None:
                     f"{alias.name} was replaced by {alias.slot}@{span['version']} during "
                     f"generation (tokens {span['start']}..{span['end']}); response withheld"
                 )
-
-
-_REFRESH_MARK = "__art_alias_refresh__"
-
-
-def _wrap_refresh(original, registry_ref: list):
-    @functools.wraps(original)
-    async def create(self, request, raw_request=None):
-        model = getattr(request, "model", None)
-        if registry_ref and ALIAS.match(model or "") is not None:
-            await registry_ref[0].refresh()
-        return await original(self, request, raw_request)
-
-    return create
-
-
-_REGISTRY_REF: list = []
-
-
-def install_refresh(registry) -> None:
-    """Wrap the completion and chat handlers (outside the alias check of `response_spans`)
-    so an alias request first reads the slot registry from EngineCore."""
-    from art_vllm_plugin import compat
-
-    _REGISTRY_REF[:] = [registry]
-    for cls, name in (
-        (compat.serving_completion_class(), "create_completion"),
-        (compat.serving_chat_class(), "create_chat_completion"),
-    ):
-        if getattr(cls, _REFRESH_MARK, False):
-            continue
-        setattr(cls, name, _wrap_refresh(getattr(cls, name), _REGISTRY_REF))
-        setattr(cls, _REFRESH_MARK, True)

@@ -25,21 +25,24 @@ class ArtEndpointPlugin:
         app.add_middleware(metrics_route.ArtMetricsMiddleware)  # added last: runs first
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
-        from art_vllm_plugin import compat, features
-        from art_vllm_plugin.api_server import route_completions
-        from art_vllm_plugin.api_server.state import ArtApiState
+        """The API server's start: its state, then its hooks (`install.install_api_server`).
 
-        state.art = ArtApiState.create(engine_client=engine_client, args=args, app_state=state)
+        The plugin is already active in this process: vLLM reaches this class only through
+        the plugin handover that `plugin_loader.activate` installs."""
+        from art_vllm_plugin import compat, features, install
+        from art_vllm_plugin.api_server import route_completions
+        from art_vllm_plugin.api_server.state import ApiServerState
+
+        art = ApiServerState.create(engine_client=engine_client, args=args, app_state=state)
+        art.attach(state)
+        install.install_api_server()
         config = engine_client.vllm_config
-        route_completions.install()
         layout = await compat.call_engine_utility(engine_client, "art_cpu_layout")
-        features.record_facts(
-            features.ServerFacts(
-                lora_enabled=config.lora_config is not None,
-                prefix_caching=bool(config.cache_config.enable_prefix_caching),
-                api_key=bool(state.art.api_key_digests),
-                cpu_layout_cpus=tuple(layout) if layout is not None else None,
-                refused_slots=tuple(sorted(state.art.slots.refused.items())),
-                routes_capture=route_completions.capture_mode(config),
-            )
+        art.facts = features.ServerFacts(
+            lora_enabled=config.lora_config is not None,
+            prefix_caching=bool(config.cache_config.enable_prefix_caching),
+            api_key=bool(art.api_key_digests),
+            cpu_layout_cpus=tuple(layout) if layout is not None else None,
+            refused_slots=tuple(sorted(art.slots.refused.items())),
+            routes_capture=route_completions.capture_mode(config),
         )

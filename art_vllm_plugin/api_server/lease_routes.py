@@ -30,19 +30,19 @@ async def create_lease(request: Request):
         except ValueError as exc:
             raise leases.LeaseError(400, f"body is not valid JSON: {exc}") from exc
         slot, version, ttl_s = leases.parse_body(body)
-        return await leases.manager(request.app).create(slot, version, ttl_s)
+        return await request.app.state.art.leases.create(slot, version, ttl_s)
     except leases.LeaseError as exc:
         return _error(exc)
 
 
 @router.get("/v1/leases")
 async def list_leases(request: Request) -> list[dict]:
-    return leases.manager(request.app).list()
+    return request.app.state.art.leases.list()
 
 
 @router.delete("/v1/leases/{lease_id}")
 async def release_lease(lease_id: str, request: Request):
     try:
-        return await leases.manager(request.app).release(lease_id)
+        return await request.app.state.art.leases.release(lease_id)
     except leases.LeaseError as exc:
         return _error(exc)

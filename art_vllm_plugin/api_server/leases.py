@@ -23,8 +23,9 @@ committed path gone, or its files changed since); 429 when no LoRA capacity is l
 
 Versions are remembered as this API server sees them committed (`observe`, called around every
 update): path and digest per version, the last `HISTORY_PER_SLOT` of each slot. Leases live
-in this API server process; with `--api-server-count > 1` they are refused (a lease made
-through one API server would not exist in the others).
+in this API server process (`ApiServerState.leases`, made on first use); with
+`--api-server-count > 1` they are refused (a lease made through one API server would not exist
+in the others).
 """
 
 from __future__ import annotations
@@ -349,28 +350,7 @@ def _write_copy(copy_dir: Path, files: dict[str, bytes]) -> None:
         (copy_dir / name).write_bytes(data)
 
 
-# --- one manager per API server process (the routes and the alias hook find it here) -------
-_MANAGER: list[LeaseManager] = []
-
-
-def manager(app) -> LeaseManager:
-    """This app's lease manager (created on first use)."""
-    if not _MANAGER or _MANAGER[0].art is not app.state.art:
-        _MANAGER[:] = [LeaseManager(app.state.art, app.state.openai_serving_models)]
-    return _MANAGER[0]
-
-
-def resolve_alias(model: str | None) -> Alias | None:
-    """Hook for `aliases.resolve`: the lease alias for `model` if a lease pins it."""
-    return _MANAGER[0].alias_for(model) if _MANAGER else None
-
-
-async def observe(app) -> None:
-    """Hook around slot updates: remember the committed versions (for later leases)."""
-    await manager(app).observe()
-
-
-def with_leases(app, slots: list[dict]) -> list[dict]:
-    """Hook for `/art/v1/slots`: each slot entry gets its `leases`."""
-    held = manager(app).by_slot() if _MANAGER else {}
+def with_leases(manager: LeaseManager | None, slots: list[dict]) -> list[dict]:
+    """`/art/v1/slots`: each slot entry gets its `leases` (none before any lease route ran)."""
+    held = manager.by_slot() if manager is not None else {}
     return [{**s, "leases": held.get(s["slot"], [])} for s in slots]

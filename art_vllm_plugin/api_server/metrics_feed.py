@@ -19,6 +19,8 @@ failed_updates, last_update_ms) from EngineCore's slot registry, so every API se
 deployment reports the same ones; `failed_updates_total` still adds this API server's own
 refusals of requests that named no known slot. The engine fields (steps, queues, tokens) are
 this API server's view (vLLM's stat logger of this process).
+
+The Prometheus gauge `art:slot_version{slot}` (on vLLM's `/metrics`) is made here too.
 """
 
 from __future__ import annotations
@@ -126,3 +128,23 @@ class MetricsFeed:
 
 #: The process's feed: written by `ArtStatLogger.record`, read by the `/art/metrics` route.
 FEED = MetricsFeed()
+
+
+#: The Prometheus gauge, created once per process: prometheus_client's registry is
+#: process-wide and refuses a second metric of the same name.
+_SLOT_VERSION_GAUGE: list = []
+
+
+def slot_version_gauge():
+    """Prometheus gauge `art:slot_version{slot}` on vLLM's `/metrics` (created once)."""
+    if not _SLOT_VERSION_GAUGE:
+        from prometheus_client import Gauge
+
+        _SLOT_VERSION_GAUGE.append(
+            Gauge(
+                "art:slot_version",
+                "Policy version served by each art LoRA slot",
+                labelnames=["slot"],
+            )
+        )
+    return _SLOT_VERSION_GAUGE[0]

@@ -30,7 +30,7 @@ async def render(art, query_string: bytes, authorization: str | None) -> tuple[i
     if art.api_key_digests and not key_matches(authorization, art.api_key_digests):
         return 401, {"detail": UNAUTHORIZED}
     slots = await art.slots.refresh()
-    snap = FEED.snapshot(slots.values(), art.slots.failed_unattributed)
+    snap = FEED.snapshot(slots.values(), art.updates.failed_unattributed)
     raw = parse_qs(query_string.decode("latin-1")).get("max_age_s", [None])[0]
     if raw is None:
         return 200, snap

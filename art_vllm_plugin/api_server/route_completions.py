@@ -35,7 +35,6 @@ from art_vllm_plugin.routes import config as routes_config
 from art_vllm_plugin.routes.spans import expected_rows, route_spans
 
 router = APIRouter(prefix="/art", dependencies=[Depends(require_api_key)])
-_MARK = "__art_routes_patched__"
 
 
 @dataclass
@@ -60,7 +59,9 @@ def _entry(res, out) -> tuple[np.ndarray | None, int, int]:
     return _take(out), len(res.prompt_token_ids or ()), len(out.token_ids)
 
 
-def _wrap_completion_response(original):
+def take_routes_from_completion(original):
+    """Wrapper for `request_output_to_completion_response` (applied by `install`)."""
+
     @functools.wraps(original)
     def request_output_to_completion_response(self, final_res_batch, *args, **kwargs):
         sink = _SINK.get()
@@ -73,7 +74,9 @@ def _wrap_completion_response(original):
     return request_output_to_completion_response
 
 
-def _wrap_chat_full_generator(original):
+def take_routes_from_chat(original):
+    """Wrapper for `chat_completion_full_generator` (applied by `install`)."""
+
     @functools.wraps(original)
     async def chat_completion_full_generator(self, request, result_generator, *args, **kwargs):
         sink = _SINK.get()
@@ -90,21 +93,6 @@ def _wrap_chat_full_generator(original):
         return await original(self, request, tap(), *args, **kwargs)
 
     return chat_completion_full_generator
-
-
-def install() -> None:
-    """Wrap the two response builders (API server, idempotent)."""
-    completion = compat.serving_completion_class()
-    chat = compat.serving_chat_class()
-    if getattr(completion, _MARK, False):
-        return
-    completion.request_output_to_completion_response = _wrap_completion_response(
-        completion.request_output_to_completion_response
-    )
-    chat.chat_completion_full_generator = _wrap_chat_full_generator(
-        chat.chat_completion_full_generator
-    )
-    setattr(completion, _MARK, True)
 
 
 def capture_mode(vllm_config) -> str | None:

@@ -7,10 +7,10 @@ import os
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from art_vllm_plugin import compat, features, plugin_loader
+from art_vllm_plugin import compat, features, install
 from art_vllm_plugin.api_server import lease_routes, leases
 from art_vllm_plugin.api_server.auth import require_api_key
-from art_vllm_plugin.api_server.slots import UpdateError, parse_update
+from art_vllm_plugin.api_server.update_coordinator import UpdateError, parse_update
 from art_vllm_plugin.version import __version__
 
 router = APIRouter(prefix="/art", dependencies=[Depends(require_api_key)])
@@ -21,16 +21,17 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 @router.get("/v1/capabilities")
-async def capabilities() -> dict:
+async def capabilities(request: Request) -> dict:
     """Plugin and vLLM versions and the plugin features this server has enabled."""
+    facts = getattr(getattr(request.app.state, "art", None), "facts", None)
     return {
         "plugin": "art",
         "plugin_version": __version__,
-        "api_server": {"pid": os.getpid(), "plugin_active": plugin_loader.is_active()},
+        "api_server": {"pid": os.getpid(), "plugin_active": install.is_active()},
         "vllm_version": compat.vllm_version(),
         "supported_vllm": compat.SUPPORTED_RANGE_TEXT,
-        "features": features.snapshot(),
-        "enabled_features": features.enabled_names(),
+        "features": features.snapshot(facts),
+        "enabled_features": features.enabled_names(facts),
     }
 
 
@@ -43,12 +44,14 @@ async def engine_state(request: Request) -> dict:
 @router.get("/v1/slots")
 async def slots(request: Request) -> list[dict]:
     """Read from EngineCore: the same on every API server (and every DP engine)."""
-    return leases.with_leases(request.app, await request.app.state.art.slots.list())
+    art = request.app.state.art
+    return leases.with_leases(art.existing_leases, await art.slots.list())
 
 
 @router.post("/v1/lora/update")
 async def lora_update(request: Request):
     """Write a new adapter into a slot between two engine steps and bump its version."""
+    art = request.app.state.art
     try:
         try:
             body = await request.json()
@@ -56,14 +59,14 @@ async def lora_update(request: Request):
             raise UpdateError(400, f"body is not valid JSON: {exc}") from exc
         update = parse_update(body)
     except UpdateError as exc:
-        request.app.state.art.slots.failed_unattributed += 1
+        art.updates.failed_unattributed += 1
         return _error(exc.status, exc.message)
-    await leases.observe(request.app)  # exact leases: remember committed versions
+    await art.leases.observe()  # exact leases: remember committed versions
     try:
-        result = await request.app.state.art.slots.update(update)
+        result = await art.updates.update(update)
     except UpdateError as exc:
         return _error(exc.status, exc.message)
-    await leases.observe(request.app)
+    await art.leases.observe()
     return result
 
 

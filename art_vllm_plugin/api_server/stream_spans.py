@@ -23,8 +23,7 @@ from collections import defaultdict
 
 from art_protocol.provenance import extend_spans, slot_spans, slot_version
 from art_vllm_plugin import compat
-
-_MARK = "__art_stream_patched__"
+from art_vllm_plugin.api_server.state import api_server_state
 
 
 def _new_token_spans(output, lora_request, produced: int) -> tuple[list[dict], int]:
@@ -60,11 +59,10 @@ def wrap_stream_generator(original, index_of):
 
     @functools.wraps(original)
     async def stream(self, *args, **kwargs):
-        from art_vllm_plugin.api_server import response_spans
-
         bound = sig.bind(self, *args, **kwargs)
         request = bound.arguments["request"]
-        alias = response_spans.pending_alias(request)
+        state = api_server_state(self)
+        alias = state.pending_aliases.pop(request.request_id, None) if state else None
         pending: dict[int, list[dict]] = defaultdict(list)
         produced: dict[int, int] = defaultdict(int)
         source = bound.arguments["result_generator"]
@@ -114,7 +112,22 @@ def wrap_stream_generator(original, index_of):
     return stream
 
 
-def _attach_spans_so_far(original):
+def completion_stream_spans(original):
+    """Wrapper for `completion_stream_generator` (choice index: prompt * n + output)."""
+    return wrap_stream_generator(
+        original, lambda request, item, output: output.index + item[0] * (request.n or 1)
+    )
+
+
+def chat_stream_spans(original):
+    """Wrapper for `chat_completion_stream_generator`."""
+    return wrap_stream_generator(original, lambda request, item, output: output.index)
+
+
+def spans_so_far(original):
+    """Wrapper for `RequestState._new_completion_output`: every output carries its spans so
+    far (vLLM reports them on the final output only)."""
+
     @functools.wraps(original)
     def new_completion_output(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
@@ -123,17 +136,3 @@ def _attach_spans_so_far(original):
         return out
 
     return new_completion_output
-
-
-def install(request_state_cls, completion_cls, chat_cls) -> None:
-    if getattr(completion_cls, _MARK, False):
-        return
-    compat.wrap_new_completion_output(request_state_cls, _attach_spans_so_far)
-    completion_cls.completion_stream_generator = wrap_stream_generator(
-        completion_cls.completion_stream_generator,
-        lambda request, item, output: output.index + item[0] * (request.n or 1),
-    )
-    chat_cls.chat_completion_stream_generator = wrap_stream_generator(
-        chat_cls.chat_completion_stream_generator, lambda request, item, output: output.index
-    )
-    setattr(completion_cls, _MARK, True)

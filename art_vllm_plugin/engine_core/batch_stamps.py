@@ -7,79 +7,81 @@ calls, and so slot updates, while a batch scheduled *before* the update is still
 output comes back *after* the update, and stamping it then would label tokens computed by the
 old weights with the new version.
 
-The rule here: a batch's label is the one in force when the scheduler produced it. This
-module wraps the engine's scheduler so `schedule()` records the label for its
-`SchedulerOutput` and `update_from_output()` hands that label to `_attach_weight_version`.
-The weights match the label because a commit is ordered after every batch already launched:
-the commit is a worker RPC sent after those batches' `execute_model`/`sample_tokens` on the
-same ordered channel (the multiprocess executor's broadcast queue; the uniprocess executor's
-single thread), and on a GPU its copies run on the stream that computes them.
+The rule here: a batch's label is the one in force when the scheduler produced it. The
+engine's scheduler is wrapped (per engine, before its first request) so `schedule()` records
+the label for its `SchedulerOutput` and `update_from_output()` hands that label to
+`_attach_weight_version`. The weights match the label because a commit is ordered after every
+batch already launched: the commit is a worker RPC sent after those batches'
+`execute_model`/`sample_tokens` on the same ordered channel (the multiprocess executor's
+broadcast queue; the uniprocess executor's single thread), and on a GPU its copies run on the
+stream that computes them. The wrappers are applied by `art_vllm_plugin.install`.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from art_vllm_plugin import compat
-from art_vllm_plugin.engine_core import lease_versions
+from art_vllm_plugin.engine_core.state import EngineCoreState, engine_state
 
 #: Batches whose output has not come back; more than a few means outputs were dropped.
 _MAX_PENDING = 64
-
-
-@dataclass
-class BatchStamps:
-    """Per-engine bookkeeping of scheduled batches and their labels."""
-
-    scheduled: int = 0  # batches scheduled so far
-    completed: int = 0  # batches whose outputs were made
-    pending: OrderedDict[int, str] = field(default_factory=OrderedDict)  # id(output) -> label
-    output_label: str | None = None
-    last_output_t: float | None = None
-    busy_step_s: float = 0.0  # sum of intervals between consecutive outputs while busy
-    busy_steps: int = 0
-
-    def mean_step_ms(self) -> float | None:
-        return self.busy_step_s / self.busy_steps * 1000.0 if self.busy_steps else None
-
-
 #: An interval between two outputs longer than this is idle time, not a step.
 _IDLE_S = 0.5
 
 
-def stamps(core) -> BatchStamps:
-    s = core.__dict__.get("_art_batch_stamps")
-    if s is None:
-        s = core.__dict__["_art_batch_stamps"] = BatchStamps()
-        _wrap_scheduler(core, s)
-    return s
+def stamp_schedule(core, state: EngineCoreState):
+    """Wrapper maker for one engine's `scheduler.schedule`: record each batch's label."""
+
+    def make(schedule):
+        s = state.stamps
+
+        def stamped_schedule(*args, **kwargs):
+            output = schedule(*args, **kwargs)
+            s.scheduled += 1
+            s.pending[id(output)] = state.leases.extend(compat.engine_weight_label(core))
+            while len(s.pending) > _MAX_PENDING:
+                s.pending.popitem(last=False)
+            return output
+
+        return stamped_schedule
+
+    return make
 
 
-def _wrap_scheduler(core, s: BatchStamps) -> None:
-    scheduler = compat.engine_scheduler(core)
-    schedule, update_from_output = scheduler.schedule, scheduler.update_from_output
+def label_update_from_output(state: EngineCoreState):
+    """Wrapper maker for one engine's `scheduler.update_from_output`: the batch's label."""
 
-    def stamped_schedule(*args, **kwargs):
-        output = schedule(*args, **kwargs)
-        s.scheduled += 1
-        s.pending[id(output)] = lease_versions.extend(core, compat.engine_weight_label(core))
-        while len(s.pending) > _MAX_PENDING:
-            s.pending.popitem(last=False)
-        return output
+    def make(update_from_output):
+        s = state.stamps
 
-    def labelled_update_from_output(scheduler_output, *args, **kwargs):
-        s.output_label = s.pending.pop(id(scheduler_output), None)
-        return update_from_output(scheduler_output, *args, **kwargs)
+        def labelled_update_from_output(scheduler_output, *args, **kwargs):
+            s.output_label = s.pending.pop(id(scheduler_output), None)
+            return update_from_output(scheduler_output, *args, **kwargs)
 
-    scheduler.schedule = stamped_schedule
-    scheduler.update_from_output = labelled_update_from_output
+        return labelled_update_from_output
+
+    return make
 
 
-def on_outputs(core, outputs) -> None:
+def before_first_request(stamp_scheduler):
+    """Wrapper maker for `EngineCore.add_request`: `stamp_scheduler(core)` once per engine,
+    before its first request can be scheduled."""
+
+    def make(add_request):
+        def add_request_stamped(self, request, request_wave: int = 0):
+            if not engine_state(self).stamps.scheduler_stamped:
+                stamp_scheduler(self)
+            return add_request(self, request, request_wave)
+
+        return add_request_stamped
+
+    return make
+
+
+def on_outputs(core, state: EngineCoreState, outputs) -> None:
     """After vLLM stamped `outputs` with the current label: use the batch's own label."""
-    s = stamps(core)
+    s = state.stamps
     s.completed += 1
     now = time.perf_counter()
     if s.last_output_t is not None and now - s.last_output_t < _IDLE_S:
@@ -88,20 +90,16 @@ def on_outputs(core, outputs) -> None:
     s.last_output_t = now
     label, s.output_label = s.output_label, None
     if label is None:  # unrecorded batch: vLLM's stamp, plus pinned leases if any
-        label = lease_versions.current_if_pinned(core)
+        label = state.leases.current_if_pinned(compat.engine_weight_label(core))
     if label is not None:
         compat.set_output_weight_label(outputs, label)
 
 
-def install(engine_core_cls) -> None:
-    """Wrap `_attach_weight_version`; the scheduler is wrapped per engine on first use."""
-    lease_versions.install(engine_core_cls)
+def attach_batch_label(attach_weight_version):
+    """Wrapper for `EngineCore._attach_weight_version`."""
 
-    def make(original):
-        def _attach_weight_version(self, outputs):
-            original(self, outputs)
-            on_outputs(self, outputs)
+    def _attach_weight_version(self, outputs):
+        attach_weight_version(self, outputs)
+        on_outputs(self, engine_state(self), outputs)
 
-        return _attach_weight_version
-
-    compat.wrap_engine_attach_weight_version(engine_core_cls, make)
+    return _attach_weight_version

@@ -16,13 +16,16 @@ every request still *waiting* (not yet scheduled, nothing computed) when an upda
 commits: those are re-salted and re-hashed. So a request admitted in the same step as an update,
 whichever came first, has its prefill, the first moment it can look up cached blocks, salted
 with the version its tokens are computed by. Running requests keep their KV.
+
+The user's own salt is kept on the request (`USER_SALT_ATTR`): it is that request's data, and
+it must survive re-salting.
 """
 
 from __future__ import annotations
 
 from art_vllm_plugin import compat
+from art_vllm_plugin.engine_core.state import engine_state
 
-_MARK = "__art_salting__"
 USER_SALT_ATTR = "_art_user_salt"
 
 
@@ -51,7 +54,7 @@ def salt_request(request, versions: dict[int, int]) -> bool:
 def resalt_waiting(core, lora_int_id: int, versions: dict[int, int]) -> int:
     """Re-salt requests of this slot that wait with nothing computed; returns how many."""
     count = 0
-    for request in compat.waiting_requests(core.scheduler):
+    for request in compat.waiting_requests(compat.engine_scheduler(core)):
         lora = request.lora_request
         if (
             lora is not None
@@ -63,15 +66,11 @@ def resalt_waiting(core, lora_int_id: int, versions: dict[int, int]) -> int:
     return count
 
 
-def install(engine_core_cls, versions_of) -> None:
-    """Wrap `EngineCore.add_request`; `versions_of(core)` returns {lora_int_id: version}."""
-    if getattr(engine_core_cls, _MARK, False):
-        return
-    original = engine_core_cls.add_request
+def salt_new_requests(add_request):
+    """Wrapper for `EngineCore.add_request`: salt by the slot's version in this engine."""
 
-    def add_request(self, request, request_wave: int = 0):
-        salt_request(request, versions_of(self))
-        return original(self, request, request_wave)
+    def add_request_salted(self, request, request_wave: int = 0):
+        salt_request(request, engine_state(self).updates.versions)
+        return add_request(self, request, request_wave)
 
-    engine_core_cls.add_request = add_request
-    setattr(engine_core_cls, _MARK, True)
+    return add_request_salted

@@ -32,11 +32,13 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from art_vllm_plugin import compat
+from art_vllm_plugin.engine_core.state import engine_state
+
 logger = logging.getLogger("vllm.art_plugin.cpu_layout")
 
 ENV_VAR = "ART_VLLM_CPU_LAYOUT"
 MODES = ("auto", "off")
-_MARK = "__art_cpu_layout__"
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,6 @@ def pin_this_process(cpus: frozenset[int]) -> int:
 
 def apply(engine_core, config: CpuLayoutConfig | None = None) -> frozenset[int] | None:
     """Apply the layout in this EngineCore process; returns the CPUs chosen, or None."""
-    from art_vllm_plugin import compat
-
     config = config or CpuLayoutConfig.from_env()
     if config.mode == "off" or not compat.is_cpu_platform():
         return None
@@ -134,7 +134,8 @@ def apply(engine_core, config: CpuLayoutConfig | None = None) -> frozenset[int] 
 
 def apply_once(engine_core) -> None:
     """Apply the layout the first time the busy loop starts in this EngineCore."""
-    if "_art_cpu_layout" in engine_core.__dict__:
+    state = engine_state(engine_core)
+    if state.cpu_layout_applied:
         return
     config = CpuLayoutConfig.from_env()  # a bad value is an error, not a silent default
     cpus = None
@@ -142,31 +143,25 @@ def apply_once(engine_core) -> None:
         cpus = apply(engine_core, config)
     except Exception:  # a layout problem must not take the engine down
         logger.exception("art CPU layout could not be applied; EngineCore left unpinned")
-    engine_core.__dict__["_art_cpu_layout"] = sorted(cpus) if cpus is not None else None
+    state.cpu_layout = sorted(cpus) if cpus is not None else None
+    state.cpu_layout_applied = True
 
 
 def art_cpu_layout(self) -> list[int] | None:
     """Utility call: the CPUs EngineCore was confined to, or None if left alone."""
-    return self.__dict__.get("_art_cpu_layout")
+    return engine_state(self).cpu_layout
 
 
-def install(engine_core_proc_classes) -> None:
-    """Apply the layout when `run_busy_loop` starts (idempotent).
+def layout_before_busy_loop(run_busy_loop):
+    """Wrapper for `run_busy_loop`: apply the layout when it starts.
 
     Not in `__init__`: EngineCore loads the general plugins inside its own `__init__`, after
     the process's `EngineCoreProc` was already being constructed. The busy loop starts after
     construction, with every worker started and bound.
     """
-    for cls in engine_core_proc_classes:
-        if cls.__dict__.get(_MARK, False) or "run_busy_loop" not in cls.__dict__:
-            continue
-        original = cls.__dict__["run_busy_loop"]
 
-        def run_busy_loop(self, _original=original):
-            apply_once(self)
-            return _original(self)
+    def run_busy_loop_laid_out(self):
+        apply_once(self)
+        return run_busy_loop(self)
 
-        run_busy_loop.__wrapped__ = original
-        cls.run_busy_loop = run_busy_loop
-        cls.art_cpu_layout = art_cpu_layout
-        setattr(cls, _MARK, True)
+    return run_busy_loop_laid_out

@@ -4,7 +4,8 @@ A lease (`api_server/leases.py`) serves version N of a slot from a separate, imm
 id. Its tokens must say version N in `policy_spans`, through the same machinery as slot
 tokens: the per-batch label (`engine_core/batch_stamps.py`) is extended with
 `<lease lora id>=N` for every pinned lease, so `provenance.slot_version` decodes N for the
-lease's id. Slot updates never touch these entries (a lease's weights never change).
+lease's id (`LeaseLabels` in `engine_core/state.py`). Slot updates never touch these entries
+(a lease's weights never change).
 
 Utilities (run between engine steps, on every engine):
 
@@ -25,35 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from art_protocol.provenance import PREFIX, decode_versions, encode_versions
 from art_vllm_plugin import compat
-
-_ATTR = "_art_lease_versions"
-
-
-def pinned(core) -> dict[int, int]:
-    """lease LoRA id -> its fixed version, on this engine."""
-    pins = core.__dict__.get(_ATTR)
-    if pins is None:
-        pins = core.__dict__[_ATTR] = {}
-    return pins
-
-
-def extend(core, label: str | None) -> str | None:
-    """`label` with every pinned lease id's version added (unchanged when none is pinned)."""
-    pins = core.__dict__.get(_ATTR)
-    if not pins:
-        return label
-    versions = decode_versions(label) if label and label.startswith(PREFIX) else {}
-    return encode_versions({**versions, **pins})
-
-
-def current_if_pinned(core) -> str | None:
-    """The engine's current label extended with the pinned leases; None when none is pinned
-    (vLLM's own stamp then stands)."""
-    if not core.__dict__.get(_ATTR):
-        return None
-    return extend(core, compat.engine_weight_label(core))
+from art_vllm_plugin.engine_core.state import engine_state
 
 
 def _pin_in_cpu_cache(worker, lora_int_id: int) -> None:
@@ -67,7 +41,7 @@ def art_lease_keep(self, lora_int_id: int) -> dict[str, Any]:
 
 
 def art_lease_pin(self, lora_int_id: int, version: int) -> dict[str, Any]:
-    pinned(self)[int(lora_int_id)] = int(version)
+    engine_state(self).leases.pinned[int(lora_int_id)] = int(version)
     return {"ok": True}
 
 
@@ -75,11 +49,5 @@ def art_lease_unpin(self, lora_int_id: int) -> dict[str, Any]:
     busy = compat.scheduler_requests_with_lora(compat.engine_scheduler(self), int(lora_int_id))
     if busy:
         return {"ok": False, "busy": busy}
-    pinned(self).pop(int(lora_int_id), None)
+    engine_state(self).leases.pinned.pop(int(lora_int_id), None)
     return {"ok": True}
-
-
-def install(engine_core_cls) -> None:
-    engine_core_cls.art_lease_keep = art_lease_keep
-    engine_core_cls.art_lease_pin = art_lease_pin
-    engine_core_cls.art_lease_unpin = art_lease_unpin

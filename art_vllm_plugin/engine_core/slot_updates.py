@@ -37,61 +37,22 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from art_protocol.provenance import encode_versions
 from art_vllm_plugin import compat
-from art_vllm_plugin.engine_core import batch_stamps, cache_salting
-from art_vllm_plugin.engine_core.slot_registry import SlotRecord, SlotRegistry
+from art_vllm_plugin.engine_core import cache_salting
+from art_vllm_plugin.engine_core.state import (
+    CommittedInEngine,
+    SlotUpdates,
+    StagedInEngine,
+    engine_state,
+)
 
-_MARK = "__art_patched__"
 TEST_HOOKS_ENV = "ART_TEST_HOOKS"
 
 
-@dataclass
-class StagedInEngine:
-    lora_int_id: int
-    name: str
-    version: int
-    ranks: list[int]
-    stall_s: float  # step-loop time already spent on this update (the stage call)
-
-
-@dataclass
-class CommittedInEngine:
-    """What a commit replaced in this engine, until the update is finished everywhere."""
-
-    lora_int_id: int
-    previous_version: int
-    previous_record: SlotRecord | None
-
-
-@dataclass
-class EngineSlotState:
-    versions: dict[int, int] = field(default_factory=dict)
-    updates: int = 0
-    failed_commits: int = 0
-    staged: dict[str, StagedInEngine] = field(default_factory=dict)
-    committed: dict[str, CommittedInEngine] = field(default_factory=dict)
-    registry: SlotRegistry = field(default_factory=SlotRegistry)
-    stalls_ms: deque = field(default_factory=lambda: deque(maxlen=4096))  # stage + commit
-    commit_stalls_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
-
-
-def _art_state(core) -> EngineSlotState:
-    state = core.__dict__.get("_art_state")
-    if state is None:
-        state = core.__dict__["_art_state"] = EngineSlotState()
-        # First reached from `add_request` (salting), before any batch of that request is
-        # scheduled. Not from `__init__`: EngineCore loads the general plugins inside its own
-        # `__init__`, so a patched `__init__` would miss the engine being built.
-        batch_stamps.stamps(core)
-    return state
-
-
-def _stale(state: EngineSlotState, lora_int_id: int, name: str, version: int) -> dict | None:
+def _stale(state: SlotUpdates, lora_int_id: int, name: str, version: int) -> dict | None:
     current = state.versions.get(lora_int_id, 0)
     if version <= current:
         return {
@@ -115,7 +76,7 @@ def art_stage_lora_update(
     """`marker_dir`: where this engine's workers leave their markers (one directory per DP
     engine, since every engine numbers its workers from 0); default `stage_dir`."""
     t0 = time.perf_counter()
-    state = _art_state(self)
+    state = engine_state(self).updates
     if (stale := _stale(state, lora_int_id, name, version)) is not None:
         return stale
     ranks = compat.engine_executor(self).collective_rpc(
@@ -133,7 +94,8 @@ def art_commit_lora_update(
 ) -> dict:
     """The swap; a registered slot's record gets the committed `path` and `digest`."""
     t0 = time.perf_counter()
-    state = _art_state(self)
+    engine = engine_state(self)
+    state = engine.updates
     staged = state.staged.pop(token, None)
     if staged is None:
         return {"ok": False, "kind": "commit", "error": "no staged update", "restored": True}
@@ -155,8 +117,8 @@ def art_commit_lora_update(
     previous_version = state.versions.get(staged.lora_int_id, 0)
     state.versions[staged.lora_int_id] = staged.version
     previous_record = None
-    if staged.name in state.registry.slots and path is not None:
-        previous_record = state.registry.commit(staged.name, staged.version, path, digest or "")
+    if staged.name in engine.registry.slots and path is not None:
+        previous_record = engine.registry.commit(staged.name, staged.version, path, digest or "")
     state.committed[token] = CommittedInEngine(
         staged.lora_int_id, previous_version, previous_record
     )
@@ -166,11 +128,10 @@ def art_commit_lora_update(
     commit_s = time.perf_counter() - t0
     state.stalls_ms.append((staged.stall_s + commit_s) * 1000.0)
     state.commit_stalls_ms.append(commit_s * 1000.0)
-    s = batch_stamps.stamps(self)
     return {
         "ok": True,
         # Batches scheduled so far ran on the old weights; the next one on the new.
-        "step": s.scheduled,
+        "step": engine.stamps.scheduled,
         "engine_ms": commit_s * 1000.0,
         "stall_ms": (staged.stall_s + commit_s) * 1000.0,
         "inflight_batches": compat.engine_inflight_batches(self),
@@ -183,7 +144,8 @@ def art_commit_lora_update(
 def art_revert_lora_update(self, token: str) -> dict:
     """Undo this engine's commit of `token` because another engine failed to commit it:
     every worker puts back its previous weights and the registry its previous record."""
-    state = _art_state(self)
+    engine = engine_state(self)
+    state = engine.updates
     done = state.committed.pop(token, None)
     if done is None:
         return {"ok": True, "restored": False}  # nothing was committed here
@@ -193,7 +155,7 @@ def art_revert_lora_update(self, token: str) -> dict:
     else:
         state.versions.pop(done.lora_int_id, None)
     if done.previous_record is not None:
-        state.registry.revert(done.previous_record)
+        engine.registry.revert(done.previous_record)
     state.updates -= 1
     compat.set_engine_weight_label(self, encode_versions(state.versions))
     cache_salting.resalt_waiting(self, done.lora_int_id, state.versions)
@@ -207,12 +169,12 @@ def art_revert_lora_update(self, token: str) -> dict:
 
 def art_registry_register(self, slots: list[dict]) -> dict:
     """Register an API server's start slots (idempotent); returns the registry snapshot."""
-    _art_state(self).registry.register(slots)
+    engine_state(self).registry.register(slots)
     return art_registry_snapshot(self)
 
 
 def art_registry_snapshot(self) -> dict:
-    return _art_state(self).registry.snapshot()
+    return engine_state(self).registry.snapshot()
 
 
 def art_reserve_update(
@@ -225,7 +187,7 @@ def art_reserve_update(
     fingerprint: str | None,
 ) -> dict:
     """Engine 0: admit an update (see `SlotRegistry.reserve`)."""
-    return _art_state(self).registry.reserve(
+    return engine_state(self).registry.reserve(
         token, slot, version, expected_version, operation_id, fingerprint
     )
 
@@ -242,8 +204,8 @@ def art_finish_update(
 ) -> bool:
     """Every engine, once the update ended everywhere: the commit is final (no revert any
     more), the outcome is recorded and the reservation (engine 0) ends."""
-    state = _art_state(self)
-    state.committed.pop(token, None)
+    state = engine_state(self)
+    state.updates.committed.pop(token, None)
     state.registry.finish(
         token,
         slot,
@@ -257,7 +219,7 @@ def art_finish_update(
 
 
 def art_abort_lora_update(self, token: str) -> bool:
-    _art_state(self).staged.pop(token, None)
+    engine_state(self).updates.staged.pop(token, None)
     compat.engine_executor(self).collective_rpc("art_abort_lora_update", args=(token,))
     return True
 
@@ -272,8 +234,8 @@ def art_test_inject_fault(self, kind: str, rank: int) -> bool:
 
 def art_slot_state(self) -> dict[str, Any]:
     """Versions, steps, update count, stalls and waiting requests, for tests and metrics."""
-    state = _art_state(self)
-    s = batch_stamps.stamps(self)
+    engine = engine_state(self)
+    state, s = engine.updates, engine.stamps
     return {
         "versions": dict(state.versions),
         "steps": s.completed,
@@ -287,22 +249,3 @@ def art_slot_state(self) -> dict[str, Any]:
         "commit_stalls_ms": list(state.commit_stalls_ms),
         "mean_step_ms": s.mean_step_ms(),
     }
-
-
-def install(engine_core_cls) -> None:
-    """Add the utility methods and the batch stamps to vLLM's EngineCore (idempotent)."""
-    if getattr(engine_core_cls, _MARK, False):
-        return
-    batch_stamps.install(engine_core_cls)
-    engine_core_cls.art_stage_lora_update = art_stage_lora_update
-    engine_core_cls.art_commit_lora_update = art_commit_lora_update
-    engine_core_cls.art_abort_lora_update = art_abort_lora_update
-    engine_core_cls.art_revert_lora_update = art_revert_lora_update
-    engine_core_cls.art_registry_register = art_registry_register
-    engine_core_cls.art_registry_snapshot = art_registry_snapshot
-    engine_core_cls.art_reserve_update = art_reserve_update
-    engine_core_cls.art_finish_update = art_finish_update
-    engine_core_cls.art_test_inject_fault = art_test_inject_fault
-    engine_core_cls.art_slot_state = art_slot_state
-    cache_salting.install(engine_core_cls, lambda core: _art_state(core).versions)
-    setattr(engine_core_cls, _MARK, True)

@@ -18,7 +18,6 @@ import os
 ENV_VAR = "ART_VLLM_ROUTES"
 MAX_BYTES_ENV = "ART_VLLM_ROUTES_MAX_BYTES"
 DEFAULT_MAX_BODY_BYTES = 512 * 2**20
-_MARK = "__art_routes_checked__"
 
 
 def selected() -> bool:
@@ -63,26 +62,25 @@ def worker_path_problems(vllm_config) -> list[str]:
     return problems
 
 
-def install(vllm_config_cls, use_worker_path) -> None:
-    """Wrap `VllmConfig._verify_aux_output_compatibility` (idempotent).
+def worker_path_check(use_worker_path):
+    """Wrapper maker for `VllmConfig._verify_aux_output_compatibility`.
 
     `use_worker_path(config)` says whether this config will be served by the V1 runner on the
     CPU platform with `--art-routes`; then our preconditions replace vLLM's MRV2 requirement.
     """
-    original = vllm_config_cls._verify_aux_output_compatibility
-    if getattr(original, _MARK, False):
-        return
 
-    def verify(self) -> None:
-        if self.aux_output_config.enabled and selected() and use_worker_path(self):
-            problems = worker_path_problems(self)
-            if problems:
-                raise ValueError(
-                    "--art-routes (route capture in the CPU worker) needs " + "; ".join(problems)
-                )
-            return
-        original(self)
+    def make(original):
+        def verify(self) -> None:
+            if self.aux_output_config.enabled and selected() and use_worker_path(self):
+                problems = worker_path_problems(self)
+                if problems:
+                    raise ValueError(
+                        "--art-routes (route capture in the CPU worker) needs "
+                        + "; ".join(problems)
+                    )
+                return
+            original(self)
 
-    setattr(verify, _MARK, True)
-    verify.__wrapped__ = original
-    vllm_config_cls._verify_aux_output_compatibility = verify
+        return verify
+
+    return make

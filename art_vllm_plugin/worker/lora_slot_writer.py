@@ -33,13 +33,12 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 from art_vllm_plugin import compat, staging
+from art_vllm_plugin.compat import patches
+from art_vllm_plugin.worker.state import StagedUpdate, Undo, lora_manager_state, worker_state
 
-_MARK = "__art_patched__"
-_COMMITTED_ATTR = "_art_committed"
 #: Test-only fault hook: set only when the server runs with ART_TEST_HOOKS=1 (see
 #: `art_test_inject_fault`); a commit on the named rank then fails after writing its weights,
 #: or (kind "stage") the next staging on that rank fails as an engine error.
@@ -48,42 +47,6 @@ TEST_HOOKS_ENV = "ART_TEST_HOOKS"
 
 class LoraUpdateError(ValueError):
     """The adapter does not fit the slot; the message names module and tensor."""
-
-
-@dataclass
-class StagedUpdate:
-    lora_int_id: int
-    model: Any = None  # packed CPU LoRAModel once staged
-    device_weights: dict[str, tuple[Any, Any]] | None = None  # GPU: module -> (A, B)
-    error: str | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass
-class Undo:
-    """What a commit replaced on this worker, to put back if another worker failed."""
-
-    lora_int_id: int
-    committed: Any
-    registered: Any
-
-
-@dataclass
-class WorkerSlots:
-    staged: dict[str, StagedUpdate] = field(default_factory=dict)
-    undo: dict[str, Undo] = field(default_factory=dict)
-    fault: str | None = None
-
-
-def _slots(worker) -> WorkerSlots:
-    slots = worker.__dict__.get("_art_slots")
-    if slots is None:
-        slots = worker.__dict__["_art_slots"] = WorkerSlots()
-    return slots
-
-
-def _committed(worker_manager) -> dict[int, Any]:
-    return worker_manager.__dict__.setdefault(_COMMITTED_ATTR, {})
 
 
 def _as_list(x) -> list:
@@ -156,15 +119,22 @@ def _to_device(manager, lora_model) -> dict[str, tuple[Any, Any]] | None:
     return out
 
 
+def _read_staged_files(worker_manager, request):
+    """vLLM's own loader and checks (`_load_adapter`), past the plugin's committed-model
+    shortcut: the staged files themselves, never a cached model."""
+    loader = compat.original_of(patches.LOAD_COMMITTED_ADAPTER, type(worker_manager)._load_adapter)
+    return loader(worker_manager, request)
+
+
 def _stage(worker, staged: StagedUpdate, request, marker_dir: str, rank: int) -> None:
     try:
-        slots = _slots(worker)
+        slots = worker_state(worker)
         if slots.fault == "stage":
             slots.fault = None
             raise RuntimeError(f"injected staging failure on rank {rank} (test hook)")
         worker_manager = compat.worker_lora_manager(worker)
         manager = compat.adapter_model_manager(worker_manager)
-        model = _ORIGINAL_LOAD["fn"](worker_manager, request)  # the staged files, never cached
+        model = _read_staged_files(worker_manager, request)
         compat.pack_adapter(manager, model)
         _check_fits(manager, model)
         staged.device_weights = _to_device(manager, model)
@@ -188,9 +158,10 @@ def _stager(worker) -> queue.SimpleQueue:
     runs, and the new thread then holds the GIL for up to the switch interval (5 ms) while
     it reads the adapter: the stage RPC, and so the engine's step loop, would wait for it. A
     `put` on a queue returns at once."""
-    jobs = worker.__dict__.get("_art_stage_jobs")
+    state = worker_state(worker)
+    jobs = state.stage_jobs
     if jobs is None:
-        jobs = worker.__dict__["_art_stage_jobs"] = queue.SimpleQueue()
+        jobs = state.stage_jobs = queue.SimpleQueue()
 
         def run():
             while True:
@@ -210,7 +181,7 @@ def art_stage_lora_update(
 ) -> int:
     """Start staging the adapter in `stage_dir`; the marker goes to `marker_dir` (one per DP
     engine; default `stage_dir`)."""
-    slots = _slots(self)
+    slots = worker_state(self)
     slots.undo.clear()  # the previous update is final once the next one starts
     rank = compat.worker_rank(self)
     request = compat.lora_request(lora_name=lora_name, lora_int_id=lora_int_id, lora_path=stage_dir)
@@ -232,12 +203,14 @@ def _write_slot(manager, index: int, lora_model, device_weights) -> None:
 
 def _install_version(worker, lora_int_id: int, committed, registered, device_weights=None):
     """Make `committed` the id's weights everywhere on this worker (None: forget the id)."""
+    state = worker_state(worker)
     worker_manager = compat.worker_lora_manager(worker)
     manager = compat.adapter_model_manager(worker_manager)
+    compat.attach_state(worker_manager, state)  # vLLM's loader finds `committed` there
     if committed is None:
-        _committed(worker_manager).pop(lora_int_id, None)
+        state.committed.pop(lora_int_id, None)
     else:
-        _committed(worker_manager)[lora_int_id] = committed
+        state.committed[lora_int_id] = committed
     if registered is not None:
         compat.replace_registered_adapter(manager, lora_int_id, registered)
     index = compat.lora_slot_index(manager, lora_int_id)
@@ -247,7 +220,7 @@ def _install_version(worker, lora_int_id: int, committed, registered, device_wei
 
 
 def art_commit_lora_update(self, token: str) -> dict:
-    slots = _slots(self)
+    slots = worker_state(self)
     rank = compat.worker_rank(self)
     staged = slots.staged.pop(token, None)
     if staged is None or staged.model is None:
@@ -256,7 +229,7 @@ def art_commit_lora_update(self, token: str) -> dict:
     lid = staged.lora_int_id
     worker_manager = compat.worker_lora_manager(self)
     manager = compat.adapter_model_manager(worker_manager)
-    undo = Undo(lid, _committed(worker_manager).get(lid), compat.registered_adapter(manager, lid))
+    undo = Undo(lid, slots.committed.get(lid), compat.registered_adapter(manager, lid))
     try:
         registered = staged.model if undo.registered is not None else None
         index = _install_version(self, lid, staged.model, registered, staged.device_weights)
@@ -281,7 +254,7 @@ def art_commit_lora_update(self, token: str) -> dict:
 
 def art_rollback_lora_update(self, token: str) -> dict:
     rank = compat.worker_rank(self)
-    undo = _slots(self).undo.pop(token, None)
+    undo = worker_state(self).undo.pop(token, None)
     if undo is None:
         return {"ok": True, "rank": rank, "restored": False}  # nothing was committed here
     try:
@@ -292,7 +265,7 @@ def art_rollback_lora_update(self, token: str) -> dict:
 
 
 def art_abort_lora_update(self, token: str) -> bool:
-    return _slots(self).staged.pop(token, None) is not None
+    return worker_state(self).staged.pop(token, None) is not None
 
 
 def art_test_inject_fault(self, kind: str, rank: int) -> bool:
@@ -302,39 +275,20 @@ def art_test_inject_fault(self, kind: str, rank: int) -> bool:
     if os.environ.get(TEST_HOOKS_ENV) != "1":
         return False
     if compat.worker_rank(self) == rank:
-        _slots(self).fault = kind
+        worker_state(self).fault = kind
     return True
 
 
-_ORIGINAL_LOAD: dict[str, Any] = {}
-
-
-def _install_committed_loader(manager_cls) -> None:
-    """vLLM's adapter loader returns the committed model for an updated id (see module doc)."""
-    original = compat.original_load_adapter(manager_cls)
-    _ORIGINAL_LOAD["fn"] = original
+def load_committed_adapter(load_adapter):
+    """Wrapper for `LRUCacheWorkerLoRAManager._load_adapter`: an updated id loads its
+    committed model, whatever path the request carries (see the module docstring)."""
 
     def _load_adapter(self, lora_request):
-        committed = self.__dict__.get(_COMMITTED_ATTR)
-        if committed:
-            model = committed.get(lora_request.lora_int_id)
+        state = lora_manager_state(self)
+        if state is not None and state.committed:
+            model = state.committed.get(lora_request.lora_int_id)
             if model is not None:
                 return model
-        return original(self, lora_request)
+        return load_adapter(self, lora_request)
 
-    compat.set_load_adapter(manager_cls, _load_adapter)
-
-
-def install(worker_cls) -> None:
-    if getattr(worker_cls, _MARK, False):
-        return
-    worker_cls.art_stage_lora_update = art_stage_lora_update
-    worker_cls.art_commit_lora_update = art_commit_lora_update
-    worker_cls.art_rollback_lora_update = art_rollback_lora_update
-    worker_cls.art_abort_lora_update = art_abort_lora_update
-    worker_cls.art_test_inject_fault = art_test_inject_fault
-    manager_cls = compat.worker_lora_manager_class()
-    if not getattr(manager_cls, _MARK, False):
-        _install_committed_loader(manager_cls)
-        setattr(manager_cls, _MARK, True)
-    setattr(worker_cls, _MARK, True)
+    return _load_adapter

@@ -13,8 +13,8 @@ only, and refuses what it cannot serve, each with its own message:
 - an adapter with expert weights (loaded at start, by `/v1/load_lora_adapter` or by a slot
   update): refused at load, so its expert deltas are never silently dropped.
 
-Scope: installed by `features.activate_all` (the art plugin is selected) and acting on the
-CPU platform only; elsewhere vLLM's own LoRA experts serve.
+Scope: installed by `install.install_worker` on the CPU platform (the art plugin is
+selected); elsewhere vLLM's own LoRA experts serve.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import re
 
 from art_vllm_plugin import compat
 
-_MARK = "__art_moe_lora_cpu__"
 #: A module name inside a MoE experts block (`model.layers.1.mlp.experts[.0.gate_proj]`).
 _EXPERTS = re.compile(r"(^|\.)experts(\.|$)")
 
@@ -49,50 +48,46 @@ def _applies(vllm_config) -> bool:
     )
 
 
-def install(fused_moe_config_cls, lora_model_manager_cls) -> None:
-    """Wrap `FusedMoEConfig.__post_init__` and `LoRAModelManager._validate_moe_lora_format`
-    (idempotent)."""
-    post_init = fused_moe_config_cls.__post_init__
-    if not getattr(post_init, _MARK, False):
+def keep_cpu_experts(post_init):
+    """Wrapper for `FusedMoEConfig.__post_init__`: clear `is_lora_enabled` when the LoRA
+    targets leave the experts out; refuse targets that reach them."""
 
-        def moe_post_init(self) -> None:
-            post_init(self)
-            if not self.is_lora_enabled:
-                return
-            vllm_config = compat.current_vllm_config_or_none()
-            if not _applies(vllm_config):
-                return
-            targets = vllm_config.lora_config.target_modules
-            if experts_targeted(targets):
+    def moe_post_init(self) -> None:
+        post_init(self)
+        if not self.is_lora_enabled:
+            return
+        vllm_config = compat.current_vllm_config_or_none()
+        if not _applies(vllm_config):
+            return
+        targets = vllm_config.lora_config.target_modules
+        if experts_targeted(targets):
+            raise MoeLoraRefused(
+                "--enable-lora on a mixture-of-experts model in the CPU build needs "
+                "--lora-target-modules that leave out the experts (the CPU build has no "
+                "LoRA MoE kernel; vLLM would need Triton), e.g. --lora-target-modules "
+                f"q_proj k_proj v_proj o_proj; got {targets!r}"
+            )
+        # The experts are never wrapped by LoRA (outside the targets): serve them with
+        # the CPU MoE kernel instead of the Triton LoRA experts.
+        self.is_lora_enabled = False
+
+    return moe_post_init
+
+
+def refuse_expert_weights(validate):
+    """Wrapper for `LoRAModelManager._validate_moe_lora_format`: an adapter with expert
+    weights is refused when no expert is wrapped by LoRA (never silently dropped)."""
+
+    def validate_format(self, lora_model) -> None:
+        if compat.is_cpu_platform() and not expert_modules(compat.lora_modules(self)):
+            experts = expert_modules(compat.lora_model_module_names(lora_model))
+            if experts:
                 raise MoeLoraRefused(
-                    "--enable-lora on a mixture-of-experts model in the CPU build needs "
-                    "--lora-target-modules that leave out the experts (the CPU build has no "
-                    "LoRA MoE kernel; vLLM would need Triton), e.g. --lora-target-modules "
-                    f"q_proj k_proj v_proj o_proj; got {targets!r}"
+                    f"adapter (LoRA id {lora_model.id}) has weights for MoE experts "
+                    f"({experts[0]}, {len(experts)} in all); this CPU server applies LoRA "
+                    "to non-expert modules only (--lora-target-modules), so it refuses "
+                    "the adapter instead of dropping those weights"
                 )
-            # The experts are never wrapped by LoRA (outside the targets): serve them with
-            # the CPU MoE kernel instead of the Triton LoRA experts.
-            self.is_lora_enabled = False
+        validate(self, lora_model)
 
-        setattr(moe_post_init, _MARK, True)
-        moe_post_init.__wrapped__ = post_init
-        fused_moe_config_cls.__post_init__ = moe_post_init
-
-    validate = lora_model_manager_cls._validate_moe_lora_format
-    if not getattr(validate, _MARK, False):
-
-        def validate_format(self, lora_model) -> None:
-            if compat.is_cpu_platform() and not expert_modules(compat.lora_modules(self)):
-                experts = expert_modules(compat.lora_model_module_names(lora_model))
-                if experts:
-                    raise MoeLoraRefused(
-                        f"adapter (LoRA id {lora_model.id}) has weights for MoE experts "
-                        f"({experts[0]}, {len(experts)} in all); this CPU server applies LoRA "
-                        "to non-expert modules only (--lora-target-modules), so it refuses "
-                        "the adapter instead of dropping those weights"
-                    )
-            validate(self, lora_model)
-
-        setattr(validate_format, _MARK, True)
-        validate_format.__wrapped__ = validate
-        lora_model_manager_cls._validate_moe_lora_format = validate_format
+    return validate_format

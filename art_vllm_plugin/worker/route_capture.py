@@ -31,9 +31,9 @@ import torch
 from art_protocol.route_bundle import route_dtype_for
 from art_vllm_plugin import compat
 from art_vllm_plugin.routes.store import RouteSlotStore
+from art_vllm_plugin.worker.state import worker_state
 
 logger = logging.getLogger(__name__)
-_MARK = "__art_route_capture__"
 
 
 class RouterCapture:
@@ -137,41 +137,45 @@ def _enabled(runner) -> bool:
     return bool(runner.vllm_config.aux_output_config.enabled)
 
 
-def install(runner_cls) -> None:
-    """Wrap `load_model`, `execute_model` and `sample_tokens` of the V1 runner (idempotent)."""
-    if getattr(runner_cls, _MARK, False):
-        return
-    load_model = runner_cls.load_model
-    execute_model = runner_cls.execute_model
-    sample_tokens = runner_cls.sample_tokens
+def bind_on_load(load_model):
+    """Wrapper for the runner's `load_model`: bind the capture to the loaded model."""
 
     @functools.wraps(load_model)
     def load_model_with_capture(self, *args, **kwargs):
         result = load_model(self, *args, **kwargs)
         if _enabled(self):
-            self._art_routes = WorkerRouteCapture(self)
-            self._art_routes.bind(self.model)
+            capture = worker_state(self).routes = WorkerRouteCapture(self)
+            capture.bind(self.model)
         return result
+
+    return load_model_with_capture
+
+
+def store_after_forward(execute_model):
+    """Wrapper for the runner's `execute_model`: store this forward's rows."""
 
     @functools.wraps(execute_model)
     def execute_model_with_capture(self, scheduler_output, *args, **kwargs):
         result = execute_model(self, scheduler_output, *args, **kwargs)
-        capture = getattr(self, "_art_routes", None)
+        capture = worker_state(self).routes
         if capture is not None:
             capture.after_forward(scheduler_output)
             if result is not None:  # returned without sampling (nothing to emit)
                 capture.attach(result)
         return result
 
+    return execute_model_with_capture
+
+
+def emit_after_sampling(sample_tokens):
+    """Wrapper for the runner's `sample_tokens`: attach the rows to emit to its output."""
+
     @functools.wraps(sample_tokens)
     def sample_tokens_with_capture(self, *args, **kwargs):
         result = sample_tokens(self, *args, **kwargs)
-        capture = getattr(self, "_art_routes", None)
+        capture = worker_state(self).routes
         if capture is not None:
             capture.attach(result)
         return result
 
-    runner_cls.load_model = load_model_with_capture
-    runner_cls.execute_model = execute_model_with_capture
-    runner_cls.sample_tokens = sample_tokens_with_capture
-    setattr(runner_cls, _MARK, True)
+    return sample_tokens_with_capture

@@ -1,0 +1,69 @@
+"""Exact aliases around vLLM's completion and chat handlers (`create_completion`,
+`create_chat_completion`); what an alias means is in `api_server/aliases.py`.
+
+Two wrappers, applied by `art_vllm_plugin.install` in this order (the second outermost):
+
+1. `serve_exact_alias`: resolve `slot@N` (a lease first, then the slot's current version),
+   refuse it with 409 if that version is not served, run the request on the slot's name, and
+   refuse the response (409) if any token came from another version. A streaming request
+   leaves its alias for the stream generator (`stream_spans`), which ends the stream instead.
+2. `refresh_before_alias`: an alias request first re-reads the slot registry from EngineCore
+   (one utility call), so the check sees updates that went through another API server.
+
+Both reach the API server's state through the serving object (`api_server_state`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from http import HTTPStatus
+
+from art_vllm_plugin.api_server import aliases
+from art_vllm_plugin.api_server.state import api_server_state
+
+
+def _conflict(serving, message: str):
+    return serving.create_error_response(
+        message, err_type="Conflict", status_code=HTTPStatus.CONFLICT
+    )
+
+
+def serve_exact_alias(create):
+    @functools.wraps(create)
+    async def create_exact(self, request, raw_request=None):
+        state = api_server_state(self)
+        try:
+            alias = state.resolve_alias(request.model) if state is not None else None
+        except aliases.AliasRefused as exc:
+            return _conflict(self, exc.message)
+        key = request.request_id
+        if alias is not None:
+            request.model = alias.slot
+            state.pending_aliases[key] = alias
+        response = None
+        try:
+            response = await create(self, request, raw_request)
+        finally:
+            if state is not None and not inspect.isasyncgen(response):
+                # No stream generator will claim the alias (not streaming, refused, failed).
+                state.pending_aliases.pop(key, None)
+        if alias is not None and hasattr(response, "choices"):
+            try:
+                aliases.check_choices(alias, response.choices)
+            except aliases.AliasRefused as exc:
+                return _conflict(self, exc.message)
+        return response
+
+    return create_exact
+
+
+def refresh_before_alias(create):
+    @functools.wraps(create)
+    async def create_refreshed(self, request, raw_request=None):
+        state = api_server_state(self)
+        if state is not None and aliases.is_alias(getattr(request, "model", None)):
+            await state.slots.refresh()
+        return await create(self, request, raw_request)
+
+    return create_refreshed

@@ -1,0 +1,218 @@
+"""The API server's half of an in-flight slot update: admit, validate, publish, record.
+
+An update: reserve on engine 0 (operation-id replay, `expected_version` compare-and-swap,
+one update at a time across every API server), read and validate the adapter here once (in a
+thread, off the event loop) and digest those bytes, then publish them to every engine
+(`api_server/slot_publish.py`: stage everywhere, commit everywhere or nowhere), and finally
+record the outcome on every engine (`art_finish_update`), which ends the reservation. The
+slot view (`api_server/slot_view.py`) is told when an update starts and ends, so its cached
+copy of the registry is read again.
+
+Updates of one API server are serialized by one lock. Each runs as its own task and the HTTP
+handler awaits it through `asyncio.shield`: a client that disconnects or cancels does not
+cancel an update that may already be committed in the engines, so the engines' registries
+always end the update, and the lock is released when the task ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+
+from art_protocol import digest as adapter_digest
+from art_protocol.updates import UpdateRequest, UpdateRequestError, UpdateResponse
+from art_vllm_plugin import staging
+from art_vllm_plugin.adapters import AdapterError, read_and_validate
+from art_vllm_plugin.api_server import slot_publish
+from art_vllm_plugin.api_server.paths import PathPolicy, PathRefused
+from art_vllm_plugin.api_server.slot_view import SlotView
+
+logger = logging.getLogger("vllm.art_plugin.slots")
+#: How long an update waits for another API server's update to end before giving up (503).
+RESERVE_WAIT_S = slot_publish.STAGE_TIMEOUT_S + 60.0
+_RESERVE_POLL_S = 0.01
+
+
+class UpdateError(Exception):
+    """An update refused with an HTTP status; nothing was changed."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def parse_update(body) -> UpdateRequest:
+    """The update body, or `UpdateError(400)` naming the field that is wrong."""
+    try:
+        return UpdateRequest.from_json(body)
+    except UpdateRequestError as exc:
+        raise UpdateError(400, str(exc)) from exc
+
+
+class UpdateCoordinator:
+    def __init__(self, view: SlotView, max_lora_rank: int, paths: PathPolicy):
+        self.view = view
+        self.engine_client = view.engine_client
+        self.engines = view.engines
+        self.paths = paths
+        self.max_lora_rank = max_lora_rank
+        #: Refused before a slot was known (bad body, unknown slot); per API server.
+        self.failed_unattributed = 0
+        self._lock = asyncio.Lock()
+        self.staging = staging.StagingConfig.default()
+
+    async def update(self, req: UpdateRequest) -> dict:
+        task = asyncio.ensure_future(self._update(req))
+        return await asyncio.shield(task)
+
+    async def _note_failure(self, token: str, slot: str | None) -> None:
+        """Count a failed update (on every engine) and end its reservation, if any."""
+        if slot is None or slot not in self.view.local:
+            self.failed_unattributed += 1
+            return
+        with contextlib.suppress(Exception):  # an engine that died cannot count anything
+            await slot_publish.call_all(
+                self.engine_client, self.engines, "art_finish_update", token, slot, False
+            )
+
+    async def _update(self, req: UpdateRequest) -> dict:
+        token = uuid.uuid4().hex
+        self.view.registry_changing()
+        try:
+            await self.view.ensure_registered()
+            return await self._update_locked(req, token)
+        except BaseException:
+            # Also for a bug or a cancellation: never leave a reservation behind.
+            await self._note_failure(token, req.slot)
+            raise
+        finally:
+            self.view.registry_changing()  # counters and versions: the next refresh reads them
+
+    async def _reserve(self, req: UpdateRequest, token: str) -> dict:
+        """Admission on engine 0; waits while another update (any API server) is running."""
+        deadline = time.monotonic() + RESERVE_WAIT_S
+        while True:
+            try:
+                res = await self.view.call(
+                    self.engines[0],
+                    "art_reserve_update",
+                    token,
+                    req.slot,
+                    req.version,
+                    req.expected_version,
+                    req.operation_id,
+                    req.fingerprint() if req.operation_id is not None else None,
+                )
+            except Exception as exc:
+                raise UpdateError(
+                    503, f"the engine failed to admit the update ({type(exc).__name__}: {exc})"
+                ) from exc
+            if res["ok"] or res["kind"] != "busy":
+                return res
+            if time.monotonic() > deadline:
+                raise UpdateError(
+                    503, f"{res['error']} for more than {RESERVE_WAIT_S:.0f} s; nothing changed"
+                )
+            await asyncio.sleep(_RESERVE_POLL_S)
+
+    async def _update_locked(self, req: UpdateRequest, token: str) -> dict:
+        t0 = time.perf_counter()
+        name = req.slot
+        if name in self.view.refused:
+            raise UpdateError(400, f"{self.view.refused[name]}; nothing changed")
+        local = self.view.local.get(name)
+        if local is None:
+            raise UpdateError(404, f"unknown slot {name!r}; slots: {sorted(self.view.local)}")
+        current = self.view.slots[name].version
+        try:
+            resolved = str(self.paths.resolve(req.path))
+        except PathRefused as exc:
+            raise UpdateError(403, f"{exc}; slot {name!r} keeps serving version {current}") from exc
+        async with self._lock:
+            admitted = await self._reserve(req, token)
+            if not admitted["ok"]:
+                if admitted["kind"] == "replay":
+                    return {**admitted["response"], "replayed": True}
+                status = 404 if admitted["kind"] == "unknown" else 409
+                raise UpdateError(status, f"{admitted['error']}; nothing changed")
+            current = admitted["version"]
+            keeps = f"slot {name!r} keeps serving version {current}"
+            try:
+                files = await asyncio.to_thread(
+                    read_and_validate, resolved, name, local.reference, self.max_lora_rank
+                )
+            except AdapterError as exc:
+                raise UpdateError(422, f"{exc}; {keeps}") from exc
+            digest = await asyncio.to_thread(
+                adapter_digest.digest_bytes, files.config, files.weights
+            )
+            if req.digest is not None and req.digest != digest:
+                raise UpdateError(
+                    422,
+                    f"digest mismatch: the request says {req.digest}, the adapter at {resolved} "
+                    f"is {digest} (a torn or partial export?); {keeps}",
+                )
+            t_validated = time.perf_counter()
+            try:
+                result = await slot_publish.publish(
+                    self.engine_client,
+                    self.engines,
+                    token=token,
+                    lora_int_id=local.lora_int_id,
+                    slot=name,
+                    files=files,
+                    path=resolved,
+                    digest=digest,
+                    version=req.version,
+                    current_version=current,
+                    config=self.staging,
+                )
+            except slot_publish.PublishError as exc:
+                raise UpdateError(exc.status, exc.message) from exc
+            elapsed_ms = (time.perf_counter() - t0) * 1000.0
+            response = UpdateResponse(
+                slot=name,
+                version=req.version,
+                previous_version=current,
+                digest=digest,
+                operation_id=req.operation_id,
+                step=result.step,
+                receipts=result.receipts,
+                elapsed_ms=elapsed_ms,
+                engine_ms=result.engine_ms,
+                stall_ms=result.stall_ms,
+                resalted_waiting=result.resalted_waiting,
+            ).to_json()
+            finished = await slot_publish.call_all(
+                self.engine_client,
+                self.engines,
+                "art_finish_update",
+                token,
+                name,
+                True,
+                req.operation_id,
+                req.fingerprint() if req.operation_id is not None else None,
+                response,
+                elapsed_ms,
+            )
+            for e, r in zip(self.engines, finished, strict=True):
+                if isinstance(r, BaseException):  # committed; only the bookkeeping failed
+                    logger.warning("art: engine %d could not record update: %s", e.dp_rank, r)
+            self.view.apply_committed(name, req.version, resolved, digest, elapsed_ms)
+            logger.info(
+                "art update slot=%s version=%d step=%d engines=%d wait+validate=%.1fms "
+                "stage=%.1fms publish=%.1fms engine_stall=%.2fms",
+                name,
+                req.version,
+                result.step,
+                len(self.engines),
+                (t_validated - t0) * 1000,
+                result.stage_ms,
+                (time.perf_counter() - t_validated) * 1000,
+                result.stall_ms,
+            )
+            return response

@@ -1,0 +1,265 @@
+"""Every vLLM name the plugin reads, calls, imports or subclasses (without patching it).
+
+Plain data, no vLLM import. The accessors in `compat/` load classes and functions through
+these records (`compat.load`), and a test checks that every private attribute the accessors
+touch is listed here, so `scripts/check_vllm_compat.py` sees all of them. Public config fields
+read through documented objects (`vllm_config.lora_config.max_loras`, ...) are not listed.
+"""
+
+from __future__ import annotations
+
+from art_vllm_plugin.compat.declarations import VllmName, collect
+
+_ENGINE = "vllm.v1.engine.core"
+_CLIENT = "vllm.v1.engine.core_client"
+_LORA_MODELS = "vllm.lora.model_manager"
+_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
+_BATCH = "vllm.v1.worker.gpu_input_batch"
+
+# --- classes, functions and constants the plugin imports ---------------------------------
+STAT_LOGGER_BASE = VllmName(
+    "vllm.v1.metrics.loggers", "StatLoggerBase", "class", "the art stat logger subclasses it"
+)
+ENGINE_CORE = VllmName(_ENGINE, "EngineCore", "class", "its utility calls run between steps")
+ENGINE_DEAD_ERROR = VllmName(
+    "vllm.v1.engine.exceptions", "EngineDeadError", "class", "tells a dead engine from a failure"
+)
+LORA_REQUEST = VllmName("vllm.lora.request", "LoRARequest", "class", "leases and staged loads")
+CURRENT_PLATFORM = VllmName(
+    "vllm.platforms", "current_platform", "constant", "CPU-only behaviour (layout, MoE LoRA)"
+)
+ENDPOINT_PLUGINS_GROUP = VllmName(
+    "vllm.plugins", "ENDPOINT_PLUGINS_GROUP", "constant", "which group the handover extends"
+)
+STAT_LOGGER_PLUGINS_GROUP = VllmName(
+    "vllm.plugins", "STAT_LOGGER_PLUGINS_GROUP", "constant", "which group the handover extends"
+)
+AUX_REQUEST_OUTPUT = VllmName(
+    "vllm.distributed.aux_output_connector.connector",
+    "AuxRequestOutput",
+    "class",
+    "the rows a request emits in one step (route capture)",
+)
+MOE_RUNNER = VllmName(
+    "vllm.model_executor.layers.fused_moe.layer", "MoERunner", "class", "finds MoE layer ids"
+)
+BIND_ROUTED_EXPERTS_CAPTURER = VllmName(
+    "vllm.model_executor.layers.fused_moe.routed_experts_capturer",
+    "bind_routed_experts_capturer",
+    "function",
+    "attaches the route capture to every MoE router",
+)
+COMPLETION_REQUEST = VllmName(
+    "vllm.entrypoints.openai.completion.protocol",
+    "CompletionRequest",
+    "class",
+    "/art/v1/completions validates its body with it",
+)
+CHAT_REQUEST = VllmName(
+    "vllm.entrypoints.openai.chat_completion.protocol",
+    "ChatCompletionRequest",
+    "class",
+    "/art/v1/chat/completions validates its body with it",
+)
+CURRENT_VLLM_CONFIG = VllmName(
+    "vllm.config.vllm",
+    "get_current_vllm_config_or_none",
+    "function",
+    "the config of the model being built (MoE LoRA on CPU)",
+)
+
+# --- API server: engine client, serving objects ------------------------------------------
+ENGINE_CLIENT_CORE = VllmName(
+    "vllm.v1.engine.async_llm", "AsyncLLM.engine_core", "attribute", "the engine-core client"
+)
+CALL_UTILITY = VllmName(
+    _CLIENT, "AsyncMPClient.call_utility_async", "method", "a utility call on engine 0"
+)
+CALL_UTILITY_ON_ENGINE = VllmName(
+    _CLIENT, "AsyncMPClient._call_utility_async", "method", "a utility call on one DP engine"
+)
+ENGINE_RANKS_MANAGED = VllmName(
+    _CLIENT, "MPClient.engine_ranks_managed", "attribute", "DP ranks this API server manages"
+)
+CORE_ENGINES = VllmName(
+    _CLIENT, "MPClient.core_engines", "attribute", "ZMQ identity of each managed engine"
+)
+CLIENT_COUNT = VllmName(
+    _CLIENT, "AsyncMPClient.client_count", "attribute", "how many API servers share the engines"
+)
+DP_EXTERNAL_LB = VllmName(
+    "vllm.config.parallel",
+    "ParallelConfig.data_parallel_external_lb",
+    "attribute",
+    "external DP load balancing is refused",
+)
+DP_HYBRID_LB = VllmName(
+    "vllm.config.parallel",
+    "ParallelConfig.data_parallel_hybrid_lb",
+    "attribute",
+    "hybrid DP load balancing is refused",
+)
+SERVING_MODELS = VllmName(
+    "vllm.entrypoints.serve.engine.serving",
+    "BaseServing.models",
+    "attribute",
+    "the OpenAIServingModels every serving object shares: the API server state hangs on it",
+)
+LORA_ID_COUNTER = VllmName(
+    "vllm.entrypoints.openai.models.serving",
+    "OpenAIServingModels.lora_id_counter",
+    "attribute",
+    "fresh LoRA ids for leases",
+)
+LORA_REQUESTS = VllmName(
+    "vllm.entrypoints.openai.models.serving",
+    "OpenAIServingModels.lora_requests",
+    "attribute",
+    "the served LoRA names (slots, leases)",
+)
+WEIGHT_VERSION_STARTS = VllmName(
+    "vllm.v1.engine.output_processor",
+    "RequestState.weight_version_starts",
+    "attribute",
+    "whether a request has version labels yet",
+)
+WEIGHT_VERSION_SPANS = VllmName(
+    "vllm.v1.engine.output_processor",
+    "RequestState._weight_version_spans",
+    "method",
+    "a request's weight-version spans so far (streams)",
+)
+
+# --- EngineCore internals ----------------------------------------------------------------
+ENGINE_WEIGHT_VERSION = VllmName(
+    _ENGINE, "EngineCore._weight_version", "attribute", "the label vLLM stamps on each step"
+)
+ENGINE_EXECUTOR = VllmName(_ENGINE, "EngineCore.model_executor", "attribute", "collective_rpc")
+ENGINE_SCHEDULER = VllmName(_ENGINE, "EngineCore.scheduler", "attribute", "waiting queues")
+ENGINE_BATCH_QUEUE = VllmName(
+    _ENGINE, "EngineCore.batch_queue", "attribute", "batches in flight at a commit"
+)
+ENGINE_BATCH_QUEUE_SIZE = VllmName(
+    _ENGINE, "EngineCore.batch_queue_size", "attribute", "reported by art_slot_state"
+)
+OUTPUT_WEIGHT_VERSION = VllmName(
+    "vllm.v1.engine", "EngineCoreOutputs.weight_version", "attribute", "a step's label"
+)
+SCHEDULER_WAITING = VllmName(
+    "vllm.v1.core.sched.scheduler", "Scheduler.waiting", "attribute", "re-salted at a commit"
+)
+SCHEDULER_KV_HOLDING_WAITING = VllmName(
+    "vllm.v1.core.sched.scheduler",
+    "Scheduler.kv_holding_waiting",
+    "attribute",
+    "waiting requests that hold KV, re-salted at a commit",
+)
+SCHEDULER_REQUESTS = VllmName(
+    "vllm.v1.core.sched.scheduler",
+    "Scheduler.requests",
+    "attribute",
+    "requests still using a lease's LoRA id",
+)
+REQUEST_BLOCK_HASHES = VllmName(
+    "vllm.v1.request", "Request.block_hashes", "attribute", "recomputed after a re-salt"
+)
+REQUEST_UPDATE_BLOCK_HASHES = VllmName(
+    "vllm.v1.request", "Request.update_block_hashes", "method", "recomputes the prompt hashes"
+)
+EXECUTOR_WORKERS = VllmName(
+    "vllm.v1.executor.multiproc_executor",
+    "MultiprocExecutor.workers",
+    "attribute",
+    "worker pids for the CPU layout",
+)
+WORKER_PROC = VllmName(
+    "vllm.v1.executor.multiproc_executor", "WorkerProcHandle.proc", "attribute", "a worker's pid"
+)
+
+# --- workers: LoRA managers and the V1 runner ---------------------------------------------
+WORKER_RANK = VllmName(
+    "vllm.v1.worker.worker_base", "WorkerBase.rank", "attribute", "names a worker's marker"
+)
+WORKER_MODEL_RUNNER = VllmName(
+    "vllm.v1.worker.gpu_worker", "Worker.model_runner", "attribute", "holds the LoRA manager"
+)
+RUNNER_LORA_MANAGER = VllmName(
+    "vllm.v1.worker.lora_model_runner_mixin",
+    "LoRAModelRunnerMixin.lora_manager",
+    "attribute",
+    "the worker's LRUCacheWorkerLoRAManager",
+)
+ADAPTER_MANAGER = VllmName(
+    "vllm.lora.worker_manager",
+    "LRUCacheWorkerLoRAManager._adapter_manager",
+    "attribute",
+    "the LRUCacheLoRAModelManager behind a worker LoRA manager",
+)
+PIN_LORA_IN_CPU_CACHE = VllmName(
+    _LORA_MODELS,
+    "LRUCacheLoRAModelManager._pin_lora_in_cpu_cache",
+    "method",
+    "pins a lease in the CPU cache without holding a device slot",
+)
+CREATE_MERGED_LORAS = VllmName(
+    _LORA_MODELS,
+    "LoRAModelManager._create_merged_loras_inplace",
+    "method",
+    "packs a staged adapter as registration does",
+)
+LORA_LAYER_WEIGHTS = VllmName(
+    _LORA_MODELS,
+    "LoRAModelManager._get_lora_layer_weights",
+    "method",
+    "one module's weights of a staged adapter",
+)
+REGISTERED_ADAPTERS = VllmName(
+    _LORA_MODELS,
+    "LoRAModelManager._registered_adapters",
+    "attribute",
+    "the CPU LoRA cache whose entry a commit replaces",
+)
+LORA_MODULES = VllmName(
+    _LORA_MODELS, "LoRAModelManager.modules", "attribute", "the LoRA layers and stacked tensors"
+)
+LORA_INDEX_TO_ID = VllmName(
+    _LORA_MODELS, "LoRAModelManager.lora_index_to_id", "attribute", "where an id is active"
+)
+LORA_DEVICE = VllmName(_LORA_MODELS, "LoRAModelManager.device", "attribute", "GPU staging")
+LORA_MODEL_LORAS = VllmName(
+    "vllm.lora.lora_model", "LoRAModel.loras", "attribute", "module names an adapter carries"
+)
+RUNNER_REQUESTS = VllmName(
+    _GPU_RUNNER, "GPUModelRunner.requests", "attribute", "each request's KV block ids"
+)
+RUNNER_INPUT_BATCH = VllmName(
+    _GPU_RUNNER, "GPUModelRunner.input_batch", "attribute", "the batch's request order"
+)
+RUNNER_KV_CACHE_CONFIG = VllmName(
+    _GPU_RUNNER, "GPUModelRunner.kv_cache_config", "attribute", "KV blocks for the route store"
+)
+BATCH_REQ_IDS = VllmName(_BATCH, "InputBatch.req_ids", "attribute", "request order in a step")
+BATCH_COMPUTED = VllmName(
+    _BATCH, "InputBatch.num_computed_tokens_cpu", "attribute", "where each request starts"
+)
+REQUEST_BLOCK_IDS = VllmName(
+    _BATCH, "CachedRequestState.block_ids", "attribute", "a request's KV blocks"
+)
+AUX_OUTPUT_METADATA = VllmName(
+    "vllm.v1.core.sched.output",
+    "SchedulerOutput.aux_output_connector_metadata",
+    "attribute",
+    "the first route row each request must emit",
+)
+AUX_OUTPUT = VllmName(
+    "vllm.v1.outputs",
+    "ModelRunnerOutput.aux_output_connector_output",
+    "attribute",
+    "the route rows a step emits",
+)
+USE_V2_MODEL_RUNNER = VllmName(
+    "vllm.config.vllm", "VllmConfig.use_v2_model_runner", "attribute", "native or worker capture"
+)
+
+#: Every declared name.
+ALL: tuple[VllmName, ...] = collect(dict(globals()), VllmName)

@@ -1,0 +1,245 @@
+"""Every vLLM function and method the plugin wraps, and every name it adds onto a vLLM class.
+
+Declared once here (plain data, no vLLM import), applied only through `compat.wrap` /
+`compat.add` / `compat.wrap_instance`, which refuse anything not listed in `ALL`. Where and
+in which order each is applied: `art_vllm_plugin/install.py`, one function per process role.
+`scripts/check_vllm_compat.py` checks these against another vLLM (docs/compat.md).
+"""
+
+from __future__ import annotations
+
+from art_vllm_plugin.compat.declarations import ADD, VllmPatch, adds, collect
+
+_ENGINE = "vllm.v1.engine.core"
+_COMPLETION = "vllm.entrypoints.openai.completion.serving"
+_CHAT = "vllm.entrypoints.openai.chat_completion.serving"
+_RUNNER = "vllm.v1.worker.cpu_model_runner"
+
+# --- every vLLM process, selected or not ------------------------------------------------
+CLI_OPTIONS = VllmPatch(
+    "vllm.engine.arg_utils",
+    "EngineArgs.add_cli_args",
+    by="cli.add_serve_options",
+    why="the `vllm serve` parser gains --plugin and the --art-* options (a staticmethod)",
+)
+
+# --- every process where the plugin is selected ------------------------------------------
+PLUGIN_GROUPS = VllmPatch(
+    "vllm.plugins",
+    "load_plugins_by_group",
+    by="plugin_loader.with_art_plugins",
+    why="hands vLLM the art endpoint plugin and stat logger when `art` is selected",
+)
+PLUGIN_GROUPS_STAT_LOGGERS = VllmPatch(
+    "vllm.v1.metrics.loggers",
+    "load_plugins_by_group",
+    by="plugin_loader.with_art_plugins",
+    why="the stat-logger module's own binding of load_plugins_by_group (bound at its import)",
+    only_if_imported=True,
+)
+AUX_OUTPUT_CHECK = VllmPatch(
+    "vllm.config",
+    "VllmConfig._verify_aux_output_compatibility",
+    by="routes.config.worker_path_check",
+    why="--art-routes on the CPU V1 runner: our preconditions replace the MRV2 requirement",
+)
+
+# --- EngineCore -------------------------------------------------------------------------
+ENGINE_STAMP_SCHEDULER = VllmPatch(
+    _ENGINE,
+    "EngineCore.add_request",
+    by="engine_core.batch_stamps.before_first_request",
+    why="before an engine's first request is scheduled, its scheduler is stamped",
+)
+ENGINE_SALT_REQUEST = VllmPatch(
+    _ENGINE,
+    "EngineCore.add_request",
+    by="engine_core.cache_salting.salt_new_requests",
+    why="a new request's cache salt carries its slot's policy version",
+)
+ENGINE_ATTACH_WEIGHT_VERSION = VllmPatch(
+    _ENGINE,
+    "EngineCore._attach_weight_version",
+    by="engine_core.batch_stamps.attach_batch_label",
+    why="a step's outputs carry the label of the batch they came from, not the current one",
+)
+SCHEDULER_SCHEDULE = VllmPatch(
+    "vllm.v1.core.sched.scheduler",
+    "Scheduler.schedule",
+    by="engine_core.batch_stamps.stamp_schedule",
+    why="records the label in force when each batch is scheduled (one engine's scheduler)",
+    per_instance=True,
+)
+SCHEDULER_UPDATE_FROM_OUTPUT = VllmPatch(
+    "vllm.v1.core.sched.scheduler",
+    "Scheduler.update_from_output",
+    by="engine_core.batch_stamps.label_update_from_output",
+    why="hands the batch's recorded label to _attach_weight_version (one engine's scheduler)",
+    per_instance=True,
+)
+BUSY_LOOP = VllmPatch(
+    _ENGINE,
+    "EngineCoreProc.run_busy_loop",
+    by="engine_core.core_pinning.layout_before_busy_loop",
+    why="applies the CPU core layout once workers are started and bound",
+)
+DP_BUSY_LOOP = VllmPatch(
+    _ENGINE,
+    "DPEngineCoreProc.run_busy_loop",
+    by="engine_core.core_pinning.layout_before_busy_loop",
+    why="the same for data-parallel engines (which define their own busy loop)",
+)
+CPU_LAYOUT_UTILITY = VllmPatch(
+    _ENGINE,
+    "EngineCoreProc.art_cpu_layout",
+    by="engine_core.core_pinning",
+    why="utility call: the CPUs EngineCore was confined to",
+    kind=ADD,
+)
+SLOT_UPDATE_UTILITIES = adds(
+    _ENGINE,
+    "EngineCore",
+    (
+        "art_stage_lora_update",
+        "art_commit_lora_update",
+        "art_abort_lora_update",
+        "art_revert_lora_update",
+        "art_registry_register",
+        "art_registry_snapshot",
+        "art_reserve_update",
+        "art_finish_update",
+        "art_test_inject_fault",
+        "art_slot_state",
+    ),
+    by="engine_core.slot_updates",
+    why="utility calls of the two-phase slot update and the slot registry",
+)
+LEASE_UTILITIES = adds(
+    _ENGINE,
+    "EngineCore",
+    ("art_lease_keep", "art_lease_pin", "art_lease_unpin"),
+    by="engine_core.lease_versions",
+    why="utility calls that pin an exact lease's LoRA id and label it with its version",
+)
+
+# --- workers ----------------------------------------------------------------------------
+WORKER_UTILITIES = adds(
+    "vllm.v1.worker.worker_base",
+    "WorkerBase",
+    (
+        "art_stage_lora_update",
+        "art_commit_lora_update",
+        "art_rollback_lora_update",
+        "art_abort_lora_update",
+        "art_test_inject_fault",
+    ),
+    by="worker.lora_slot_writer",
+    why="collective_rpc targets: stage off the step loop, swap between two steps",
+)
+LOAD_COMMITTED_ADAPTER = VllmPatch(
+    "vllm.lora.worker_manager",
+    "LRUCacheWorkerLoRAManager._load_adapter",
+    by="worker.lora_slot_writer.load_committed_adapter",
+    why="an updated slot's id loads its committed weights, whatever path the request carries",
+)
+RUNNER_LOAD_MODEL = VllmPatch(
+    _RUNNER,
+    "CPUModelRunner.load_model",
+    by="worker.route_capture.bind_on_load",
+    why="binds the MoE route capture to the model's routers (--art-routes, CPU V1 runner)",
+)
+RUNNER_EXECUTE_MODEL = VllmPatch(
+    _RUNNER,
+    "CPUModelRunner.execute_model",
+    by="worker.route_capture.store_after_forward",
+    why="stores each forward's route rows by KV slot",
+)
+RUNNER_SAMPLE_TOKENS = VllmPatch(
+    _RUNNER,
+    "CPUModelRunner.sample_tokens",
+    by="worker.route_capture.emit_after_sampling",
+    why="attaches the rows to emit to the ModelRunnerOutput",
+)
+MOE_CONFIG_POST_INIT = VllmPatch(
+    "vllm.model_executor.layers.fused_moe.config",
+    "FusedMoEConfig.__post_init__",
+    by="worker.moe_lora_cpu.keep_cpu_experts",
+    why="CPU build: LoRA that leaves the experts out keeps the CPU MoE kernel",
+)
+MOE_LORA_FORMAT = VllmPatch(
+    "vllm.lora.model_manager",
+    "LoRAModelManager._validate_moe_lora_format",
+    by="worker.moe_lora_cpu.refuse_expert_weights",
+    why="CPU build: an adapter with expert weights is refused, not silently dropped",
+)
+
+# --- API server -------------------------------------------------------------------------
+SPANS_SO_FAR = VllmPatch(
+    "vllm.v1.engine.output_processor",
+    "RequestState._new_completion_output",
+    by="api_server.stream_spans.spans_so_far",
+    why="every CompletionOutput carries its weight-version spans so far (for streams)",
+)
+COMPLETION_STREAM_SPANS = VllmPatch(
+    _COMPLETION,
+    "OpenAIServingCompletion.completion_stream_generator",
+    by="api_server.stream_spans.completion_stream_spans",
+    why="policy_spans on each streamed completion chunk",
+)
+CHAT_STREAM_SPANS = VllmPatch(
+    _CHAT,
+    "OpenAIServingChat.chat_completion_stream_generator",
+    by="api_server.stream_spans.chat_stream_spans",
+    why="policy_spans on each streamed chat chunk",
+)
+COMPLETION_RESPONSE_SPANS = VllmPatch(
+    _COMPLETION,
+    "OpenAIServingCompletion.request_output_to_completion_response",
+    by="api_server.response_spans.spans_on_completion_choices",
+    why="policy_spans on every completion choice",
+)
+CHAT_RESPONSE_SPANS = VllmPatch(
+    _CHAT,
+    "OpenAIServingChat.chat_completion_full_generator",
+    by="api_server.response_spans.spans_on_chat_choices",
+    why="policy_spans on every chat choice",
+)
+COMPLETION_ALIAS_CHECK = VllmPatch(
+    _COMPLETION,
+    "OpenAIServingCompletion.create_completion",
+    by="api_server.alias_requests.serve_exact_alias",
+    why="model `slot@N` serves exactly version N or is refused (409)",
+)
+CHAT_ALIAS_CHECK = VllmPatch(
+    _CHAT,
+    "OpenAIServingChat.create_chat_completion",
+    by="api_server.alias_requests.serve_exact_alias",
+    why="model `slot@N` serves exactly version N or is refused (409)",
+)
+COMPLETION_ALIAS_REFRESH = VllmPatch(
+    _COMPLETION,
+    "OpenAIServingCompletion.create_completion",
+    by="api_server.alias_requests.refresh_before_alias",
+    why="an alias request first re-reads the slot registry from EngineCore",
+)
+CHAT_ALIAS_REFRESH = VllmPatch(
+    _CHAT,
+    "OpenAIServingChat.create_chat_completion",
+    by="api_server.alias_requests.refresh_before_alias",
+    why="an alias request first re-reads the slot registry from EngineCore",
+)
+COMPLETION_RESPONSE_ROUTES = VllmPatch(
+    _COMPLETION,
+    "OpenAIServingCompletion.request_output_to_completion_response",
+    by="api_server.route_completions.take_routes_from_completion",
+    why="/art/v1/completions takes the routed experts off the outputs for its bundle",
+)
+CHAT_RESPONSE_ROUTES = VllmPatch(
+    _CHAT,
+    "OpenAIServingChat.chat_completion_full_generator",
+    by="api_server.route_completions.take_routes_from_chat",
+    why="/art/v1/chat/completions takes the routed experts off the outputs for its bundle",
+)
+
+#: Every declared patch; `compat.wrap`/`add`/`wrap_instance` refuse any other.
+ALL: tuple[VllmPatch, ...] = collect(dict(globals()), VllmPatch)

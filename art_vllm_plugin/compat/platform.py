@@ -1,0 +1,30 @@
+"""Which platform and runner serve: decisions the plugin makes in every process."""
+
+from __future__ import annotations
+
+from art_vllm_plugin.compat import names
+from art_vllm_plugin.compat.patching import load
+
+
+def is_cpu_platform() -> bool:
+    return load(names.CURRENT_PLATFORM).is_cpu()
+
+
+def routes_use_worker_path(vllm_config) -> bool:
+    """True when the V1 runner of the CPU platform serves: the plugin's worker capture fills
+    the native routed-experts output there (MRV2, if ever used on CPU, has its own)."""
+    return is_cpu_platform() and not vllm_config.use_v2_model_runner
+
+
+def current_vllm_config_or_none():
+    """The config of the model being built (`get_current_vllm_config_or_none`)."""
+    return load(names.CURRENT_VLLM_CONFIG)()
+
+
+def num_experts(vllm_config) -> int:
+    return vllm_config.model_config.get_num_experts()
+
+
+def lora_request(**kwargs):
+    """A `vllm.lora.request.LoRARequest`."""
+    return load(names.LORA_REQUEST)(**kwargs)

@@ -1,0 +1,104 @@
+"""What one EngineCore knows: the plugin's state, one object per engine.
+
+It hangs on the engine (`compat.attach_state`) and every patched method and utility call
+reaches it through `engine_state(core)`. With data parallelism each engine has its own.
+Created on first use, not in `__init__`: EngineCore loads the general plugins inside its own
+`__init__`, so a patched `__init__` would miss the engine being built. Tests build a fresh
+`EngineCoreState` and attach it to a stand-in engine.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from art_protocol.provenance import PREFIX, decode_versions, encode_versions
+from art_vllm_plugin import compat
+from art_vllm_plugin.engine_core.slot_registry import SlotRecord, SlotRegistry
+
+
+@dataclass
+class StagedInEngine:
+    lora_int_id: int
+    name: str
+    version: int
+    ranks: list[int]
+    stall_s: float  # step-loop time already spent on this update (the stage call)
+
+
+@dataclass
+class CommittedInEngine:
+    """What a commit replaced in this engine, until the update is finished everywhere."""
+
+    lora_int_id: int
+    previous_version: int
+    previous_record: SlotRecord | None
+
+
+@dataclass
+class SlotUpdates:
+    """In-flight updates of this engine and the versions its slots serve."""
+
+    versions: dict[int, int] = field(default_factory=dict)  # lora_int_id -> version
+    updates: int = 0
+    failed_commits: int = 0
+    staged: dict[str, StagedInEngine] = field(default_factory=dict)
+    committed: dict[str, CommittedInEngine] = field(default_factory=dict)
+    stalls_ms: deque = field(default_factory=lambda: deque(maxlen=4096))  # stage + commit
+    commit_stalls_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+
+@dataclass
+class BatchStamps:
+    """Scheduled batches and the labels they were scheduled with (`batch_stamps`)."""
+
+    scheduled: int = 0  # batches scheduled so far
+    completed: int = 0  # batches whose outputs were made
+    pending: OrderedDict[int, str] = field(default_factory=OrderedDict)  # id(output) -> label
+    output_label: str | None = None
+    last_output_t: float | None = None
+    busy_step_s: float = 0.0  # sum of intervals between consecutive outputs while busy
+    busy_steps: int = 0
+    #: The engine's scheduler records labels (`install.install_engine_scheduler`).
+    scheduler_stamped: bool = False
+
+    def mean_step_ms(self) -> float | None:
+        return self.busy_step_s / self.busy_steps * 1000.0 if self.busy_steps else None
+
+
+@dataclass
+class LeaseLabels:
+    """Exact leases pinned on this engine: lease LoRA id -> its fixed version."""
+
+    pinned: dict[int, int] = field(default_factory=dict)
+
+    def extend(self, label: str | None) -> str | None:
+        """`label` with every pinned lease id's version added (unchanged when none is)."""
+        if not self.pinned:
+            return label
+        versions = decode_versions(label) if label and label.startswith(PREFIX) else {}
+        return encode_versions({**versions, **self.pinned})
+
+    def current_if_pinned(self, engine_label: str | None) -> str | None:
+        """The engine's current label extended with the pinned leases; None when none is
+        pinned (vLLM's own stamp then stands)."""
+        return self.extend(engine_label) if self.pinned else None
+
+
+@dataclass
+class EngineCoreState:
+    updates: SlotUpdates = field(default_factory=SlotUpdates)
+    registry: SlotRegistry = field(default_factory=SlotRegistry)
+    stamps: BatchStamps = field(default_factory=BatchStamps)
+    leases: LeaseLabels = field(default_factory=LeaseLabels)
+    #: CPUs EngineCore was confined to (`core_pinning`), None when left alone.
+    cpu_layout: list[int] | None = None
+    cpu_layout_applied: bool = False
+
+
+def engine_state(core) -> EngineCoreState:
+    """This engine's state (created on first use)."""
+    state = compat.attached_state(core)
+    if state is None:
+        state = compat.attach_state(core, EngineCoreState())
+    return state

@@ -1,0 +1,149 @@
+"""Every hook the plugin puts into vLLM, by process role, in the order it is applied.
+
+One function per role lists its wrappers; nothing else in the plugin patches vLLM (each patch
+is declared in `compat.patches` and applied through `compat.wrap`/`add`/`wrap_instance`,
+which are idempotent and refuse anything undeclared). Feature modules supply the wrappers;
+this module decides where they go and in which order.
+
+Who calls what:
+
+- `install_cli`: the general plugin, in every vLLM process, selected or not (`--plugin` must
+  exist before anything is selected; inert until used).
+- `install_selected_process`: `plugin_loader.activate`, in every process where `art` is
+  selected. The general plugin cannot tell which process it runs in, so it applies the
+  EngineCore and worker hooks everywhere (`install_engine_core`, `install_worker`: class
+  patches, inert where the class is unused) and the plugin handover last.
+- `install_api_server`: the endpoint plugin, when the API server's app starts (only the API
+  server imports vLLM's OpenAI serving classes).
+- `install_engine_scheduler`: per engine, before its first request (from a wrapper of
+  `EngineCore.add_request`): that engine's scheduler records batch labels.
+
+Feature modules are imported inside the functions: the general plugin imports this module in
+every vLLM process, selected or not, and must stay cheap there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from art_vllm_plugin import compat
+from art_vllm_plugin.compat import patches as P
+
+
+def is_active() -> bool:
+    """Whether the plugin is switched on in this process: its hooks are in place (the plugin
+    handover, applied last by `install_selected_process`, is)."""
+    return compat.is_applied(P.PLUGIN_GROUPS)
+
+
+def install_cli(on_select: Callable[[], None]) -> None:
+    """Every process: `--plugin` and the `--art-*` options on the `vllm serve` parser."""
+    from art_vllm_plugin import cli
+
+    compat.wrap(P.CLI_OPTIONS, cli.add_serve_options(on_select))
+
+
+def install_selected_process(plugin_handover: Callable) -> None:
+    """Every process where `art` is selected (after the version check)."""
+    from art_vllm_plugin.routes import config as routes_config
+
+    # The config check runs wherever a VllmConfig is built (API server and EngineCore).
+    compat.wrap(P.AUX_OUTPUT_CHECK, routes_config.worker_path_check(compat.routes_use_worker_path))
+    install_engine_core()
+    install_worker()
+    # Last: its marker is what `is_active` reads, so a failure above leaves the plugin off.
+    # Two bindings: vllm.plugins (looked up at call time by the endpoint loading) and the
+    # stat-logger module's own (bound at its import; later imports bind the wrapper).
+    compat.wrap(P.PLUGIN_GROUPS, plugin_handover)
+    compat.wrap(P.PLUGIN_GROUPS_STAT_LOGGERS, plugin_handover)
+
+
+def install_engine_core() -> None:
+    """EngineCore: utility calls, cache salting, batch labels, CPU layout."""
+    from art_vllm_plugin.engine_core import (
+        batch_stamps,
+        cache_salting,
+        core_pinning,
+        lease_versions,
+        slot_updates,
+    )
+
+    compat.add_all(P.SLOT_UPDATE_UTILITIES, slot_updates)
+    compat.add_all(P.LEASE_UTILITIES, lease_versions)
+    # `add_request`: salting inside, scheduler stamping outside (the engine's scheduler is
+    # stamped before its first request is salted, queued and scheduled).
+    compat.wrap(P.ENGINE_SALT_REQUEST, cache_salting.salt_new_requests)
+    compat.wrap(
+        P.ENGINE_STAMP_SCHEDULER, batch_stamps.before_first_request(install_engine_scheduler)
+    )
+    compat.wrap(P.ENGINE_ATTACH_WEIGHT_VERSION, batch_stamps.attach_batch_label)
+    # Each busy loop class defines its own `run_busy_loop`; DP engines inherit the utility.
+    compat.wrap(P.BUSY_LOOP, core_pinning.layout_before_busy_loop)
+    compat.wrap(P.DP_BUSY_LOOP, core_pinning.layout_before_busy_loop)
+    compat.add(P.CPU_LAYOUT_UTILITY, core_pinning.art_cpu_layout)
+
+
+def install_engine_scheduler(core) -> None:
+    """One engine, before its first request: its scheduler records each batch's label
+    (`schedule`) and hands it to the batch's outputs (`update_from_output`)."""
+    from art_vllm_plugin.engine_core import batch_stamps
+    from art_vllm_plugin.engine_core.state import engine_state
+
+    state = engine_state(core)
+    scheduler = compat.engine_scheduler(core)
+    compat.wrap_instance(P.SCHEDULER_SCHEDULE, scheduler, batch_stamps.stamp_schedule(core, state))
+    compat.wrap_instance(
+        P.SCHEDULER_UPDATE_FROM_OUTPUT, scheduler, batch_stamps.label_update_from_output(state)
+    )
+    state.stamps.scheduler_stamped = True
+
+
+def install_worker() -> None:
+    """Workers: slot updates (stage, swap, roll back), the committed-model loader, and on the
+    CPU platform MoE LoRA and (`--art-routes`) route capture in the V1 runner."""
+    from art_vllm_plugin.routes import config as routes_config
+    from art_vllm_plugin.worker import lora_slot_writer
+
+    compat.add_all(P.WORKER_UTILITIES, lora_slot_writer)
+    compat.wrap(P.LOAD_COMMITTED_ADAPTER, lora_slot_writer.load_committed_adapter)
+    if routes_config.selected() and compat.is_cpu_platform():
+        from art_vllm_plugin.worker import route_capture
+
+        compat.wrap(P.RUNNER_LOAD_MODEL, route_capture.bind_on_load)
+        compat.wrap(P.RUNNER_EXECUTE_MODEL, route_capture.store_after_forward)
+        compat.wrap(P.RUNNER_SAMPLE_TOKENS, route_capture.emit_after_sampling)
+    if compat.is_cpu_platform():
+        from art_vllm_plugin.worker import moe_lora_cpu
+
+        compat.wrap(P.MOE_CONFIG_POST_INIT, moe_lora_cpu.keep_cpu_experts)
+        compat.wrap(P.MOE_LORA_FORMAT, moe_lora_cpu.refuse_expert_weights)
+
+
+def install_api_server() -> None:
+    """The API server, at app start: policy spans, exact aliases, routed completions.
+
+    Order where two wrappers share a method (the later one is outermost):
+    - `create_completion` / `create_chat_completion`: the alias check, then the registry
+      refresh outside it (the registry is re-read before the check reads it);
+    - `request_output_to_completion_response` / `chat_completion_full_generator`: policy spans,
+      then the routes tap outside it (independent: the tap only takes `routed_experts` off
+      the outputs before vLLM would base64 them).
+    """
+    from art_vllm_plugin.api_server import (
+        alias_requests,
+        response_spans,
+        route_completions,
+        stream_spans,
+    )
+
+    compat.wrap(P.COMPLETION_RESPONSE_SPANS, response_spans.spans_on_completion_choices)
+    compat.wrap(P.COMPLETION_ALIAS_CHECK, alias_requests.serve_exact_alias)
+    compat.wrap(P.CHAT_RESPONSE_SPANS, response_spans.spans_on_chat_choices)
+    compat.wrap(P.CHAT_ALIAS_CHECK, alias_requests.serve_exact_alias)
+    compat.wrap(P.SPANS_SO_FAR, stream_spans.spans_so_far)
+    compat.wrap(P.COMPLETION_STREAM_SPANS, stream_spans.completion_stream_spans)
+    compat.wrap(P.CHAT_STREAM_SPANS, stream_spans.chat_stream_spans)
+    compat.wrap(P.COMPLETION_ALIAS_REFRESH, alias_requests.refresh_before_alias)
+    compat.wrap(P.CHAT_ALIAS_REFRESH, alias_requests.refresh_before_alias)
+    compat.wrap(P.COMPLETION_RESPONSE_ROUTES, route_completions.take_routes_from_completion)
+    compat.wrap(P.CHAT_RESPONSE_ROUTES, route_completions.take_routes_from_chat)

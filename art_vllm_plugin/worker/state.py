@@ -1,0 +1,64 @@
+"""What one worker knows: the plugin's state, one object per worker.
+
+It hangs on the worker's model runner (`compat.attach_state`), the object every worker-side
+hook can reach: the worker's RPCs (`worker.model_runner`) and the runner's own patched
+methods. A worker's LoRA manager is given the same object when an update commits, so vLLM's
+adapter loader (patched on the manager) finds the committed weights. Tests build a fresh
+`WorkerState` instead of resetting anything.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from art_vllm_plugin import compat
+
+
+@dataclass
+class StagedUpdate:
+    lora_int_id: int
+    model: Any = None  # packed CPU LoRAModel once staged
+    device_weights: dict[str, tuple[Any, Any]] | None = None  # GPU: module -> (A, B)
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Undo:
+    """What a commit replaced on this worker, to put back if another worker failed."""
+
+    lora_int_id: int
+    committed: Any
+    registered: Any
+
+
+@dataclass
+class WorkerState:
+    staged: dict[str, StagedUpdate] = field(default_factory=dict)  # by update token
+    undo: dict[str, Undo] = field(default_factory=dict)
+    #: Test-only fault armed by `art_test_inject_fault` ("commit" or "stage").
+    fault: str | None = None
+    #: Each updated slot's committed LoRAModel (by LoRA id): what vLLM's loader returns.
+    committed: dict[int, Any] = field(default_factory=dict)
+    #: The one staging thread's job queue, once started.
+    stage_jobs: queue.SimpleQueue | None = None
+    #: Route capture of this worker's V1 runner (`--art-routes`), once its model is loaded.
+    routes: Any = None
+
+
+def worker_state(worker_or_runner) -> WorkerState:
+    """The worker's state, given the worker or its model runner (created on first use)."""
+    home = compat.worker_model_runner(worker_or_runner) or worker_or_runner
+    state = compat.attached_state(home)
+    if state is None:
+        state = compat.attach_state(home, WorkerState())
+    return state
+
+
+def lora_manager_state(worker_manager) -> WorkerState | None:
+    """The state of the worker a LoRA manager belongs to, once an update committed there
+    (`lora_slot_writer` attaches it); None before: vLLM's loader then runs unchanged."""
+    return compat.attached_state(worker_manager)
