@@ -9,7 +9,7 @@ in the API-server process, before any engine or worker process exists: it adds t
 `VLLM_PLUGINS` (inherited by every process vLLM starts) and activates the art plugin in the
 API server itself, whose general plugins already loaded (`on_select`, given by the loader).
 
-Limitation (documented in the README): the hook exists only if the general plugin loaded,
+Limitation (docs/plugin.md): the hook exists only if the general plugin loaded,
 i.e. when `VLLM_PLUGINS` is unset or already names `art`. With `VLLM_PLUGINS=other`, argparse
 rejects `--plugin`; use `VLLM_PLUGINS=other,art` instead.
 """

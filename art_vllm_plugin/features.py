@@ -59,7 +59,7 @@ def _needs_api_key(facts: ServerFacts) -> str | None:
 def _needs_cpu_layout(facts: ServerFacts) -> str | None:
     if facts.cpu_layout_cpus is not None:
         return None
-    return "not applied: --art-cpu-layout off, not a CPU host, or enough cores (see README)"
+    return "not applied: --art-cpu-layout off, not a CPU host, or enough cores (see docs/plugin.md)"
 
 
 def _needs_routes(facts: ServerFacts) -> str | None:
