@@ -15,6 +15,9 @@ import pytest
 
 REQUIRE_GPU_ENV = "ART_REQUIRE_GPU"
 
+#: Shared `vllm serve` processes, one per configuration (tests/support/server_pool.py).
+pytest_plugins = ["support.server_pool"]
+
 
 def _require_gpu() -> bool:
     return os.environ.get(REQUIRE_GPU_ENV, "") not in ("", "0")

@@ -2,7 +2,9 @@
 
 The scenario is deterministic: replica 2 is killed (its whole process group) right before
 publish KILL_BEFORE, so that publish and every later one find it down; it restarts on the
-same port after the last publish, at version 0, and `reconcile()` brings it current.
+same port after the last publish, at version 0, and `reconcile()` brings it current. The
+fleet publishes versions base+1 ... base+N_VERSIONS of slot `policy`, `base` being the highest
+version any replica starts with.
 
 Traffic stands in for the user's load balancer: a thread sends completions round robin to
 `fleet.healthy()`. Each request records the phase of the scenario when it was sent and when
@@ -10,11 +12,14 @@ it ended, so the test can say exactly which requests may fail: those to the kill
 that ended after the kill and were sent before its quarantine. Requests to the other
 replicas never fail; none goes to the killed replica while it is quarantined.
 
-Three servers at once (about 9 GiB here) is the point of this module; `--max-num-seqs 4`.
+Three servers at once (about 9 GiB here) is the point of this module: replica 0 is the shared
+plain plugin server (tests/support/server_kinds.py `lora`), replicas 1 and 2 are this
+module's own (`--max-num-seqs 4`), since replica 2 is killed and restarted.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,7 +44,16 @@ RETRY = RetryPolicy(
 )
 
 
-def _config(tiny_model, tiny_adapters, log_path) -> serve_process.ServeConfig:
+def _worker_cpu(replica: int) -> str:
+    """The core replica `replica`'s worker runs on. vLLM binds a worker's OpenMP threads to the
+    first core by default, where the shared replica 0 runs; the killed replica gets the other
+    core, so its restart (importing vLLM in its worker) does not queue behind two workers
+    that serve the traffic."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return str(cpus[-1] if replica == KILLED else cpus[0])
+
+
+def _config(tiny_model, tiny_adapters, log_path, replica: int) -> serve_process.ServeConfig:
     return serve_process.ServeConfig(
         model=str(tiny_model),
         args=(
@@ -49,6 +63,7 @@ def _config(tiny_model, tiny_adapters, log_path) -> serve_process.ServeConfig:
             "--lora-modules",
             f"policy={tiny_adapters / 'a'}",
         ),
+        env={"VLLM_CPU_OMP_THREADS_BIND": _worker_cpu(replica)},
         log_path=log_path,
         # Three servers, traffic and a restart share 2 cores (and the other jobs of a shared
         # host): start-up has taken over 300 s here. A ceiling, not a timed assertion.
@@ -57,13 +72,16 @@ def _config(tiny_model, tiny_adapters, log_path) -> serve_process.ServeConfig:
 
 
 @pytest.fixture(scope="module")
-def replicas(tiny_model, tiny_adapters, server_log):
-    """Three servers started at once; a list the test may replace an entry of (restart)."""
+def replicas(lora_server, tiny_model, tiny_adapters, server_log):
+    """Replica 0: the shared plain plugin server (never stopped here). Replicas 1 and 2: two
+    servers of this module's own, started at once: the test kills replica KILLED and restarts
+    it on its port, which no shared server may go through. A list the test may replace an
+    entry of (restart)."""
     configs = [
-        _config(tiny_model, tiny_adapters, server_log.with_name(f"{server_log.stem}-{i}.log"))
-        for i in range(3)
+        _config(tiny_model, tiny_adapters, server_log.with_name(f"{server_log.stem}-{i}.log"), i)
+        for i in (1, 2)
     ]
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(len(configs)) as pool:
         futures = [pool.submit(serve_process.start, c) for c in configs]
     started, errors = [], []
     for f in futures:
@@ -75,10 +93,11 @@ def replicas(tiny_model, tiny_adapters, server_log):
         for s in started:
             s.stop()
         raise errors[0]
+    replicas = [lora_server, *started]
     try:
-        yield started
+        yield replicas
     finally:
-        for s in started:
+        for s in replicas[1:]:
             s.stop()
 
 
@@ -94,6 +113,11 @@ def complete(url: str, max_tokens: int = 8) -> dict:
     resp = httpx.post(url + "/v1/completions", json=body, timeout=300)
     resp.raise_for_status()
     return resp.json()
+
+
+def _policy_version(url: str) -> int:
+    slots = httpx.get(url + "/art/v1/slots", timeout=60).json()
+    return {s["slot"]: s["version"] for s in slots}["policy"]
 
 
 def served_versions(url: str, latest: int) -> set[int]:
@@ -155,21 +179,23 @@ class Traffic:
 
 def test_fleet_publishes_quarantines_and_reconciles(replicas, tiny_adapters):
     urls = [s.url for s in replicas]
+    base = max(_policy_version(url) for url in urls)
     killed = urls[KILLED]
     others = [u for u in urls if u != killed]
     adapters = [tiny_adapters / "a", tiny_adapters / "b"]
     digests = {p: digest_dir(p) for p in adapters}
 
     with Fleet(urls, config=FleetConfig(retry=RETRY)) as fleet, Traffic(fleet) as traffic:
-        for version in range(1, N_VERSIONS + 1):
-            if version == KILL_BEFORE:
+        for k in range(1, N_VERSIONS + 1):
+            version = base + k
+            if k == KILL_BEFORE:
                 traffic.phase = "killed"
                 replicas[KILLED].stop()
-            adapter = adapters[version % 2]
+            adapter = adapters[k % 2]
             traffic.latest = version
             res = fleet.publish("policy", str(adapter), version, digest=digests[adapter])
             by_url = res.by_url()
-            if version < KILL_BEFORE:
+            if k < KILL_BEFORE:
                 assert res.ok, [r.error for r in res.failed]
                 assert fleet.healthy() == urls
             else:
@@ -177,7 +203,7 @@ def test_fleet_publishes_quarantines_and_reconciles(replicas, tiny_adapters):
                 dead = by_url[killed]
                 assert dead.outcome is Outcome.FAILED and "ConnectError" in dead.error
                 # Quarantined: one try per publish, not the whole backoff schedule again.
-                expected_tries = RETRY.max_attempts if version == KILL_BEFORE else 1
+                expected_tries = RETRY.max_attempts if k == KILL_BEFORE else 1
                 assert dead.attempts == expected_tries
                 assert fleet.healthy() == others
                 assert killed in fleet.quarantined()
@@ -190,24 +216,25 @@ def test_fleet_publishes_quarantines_and_reconciles(replicas, tiny_adapters):
         traffic.phase = "restarted"
         replicas[KILLED] = restart_same_port(replicas[KILLED])
         view = fleet.slots()["policy"]
-        assert dict(view.versions) == {urls[0]: N_VERSIONS, urls[1]: N_VERSIONS, killed: 0}
+        last_version = base + N_VERSIONS
+        assert dict(view.versions) == {urls[0]: last_version, urls[1]: last_version, killed: 0}
         assert not view.agreed and view.behind == [killed]
         assert fleet.healthy() == others
 
         rec = fleet.reconcile()
         assert rec.ok, rec.quarantined
         assert [(r.url, r.version, r.outcome) for r in rec.updates] == [
-            (killed, N_VERSIONS, Outcome.APPLIED)
+            (killed, last_version, Outcome.APPLIED)
         ]
         assert fleet.healthy() == urls
         traffic.phase = "reconciled"
         view = fleet.slots()["policy"]
-        assert view.agreed and set(view.versions.values()) == {N_VERSIONS}
+        assert view.agreed and set(view.versions.values()) == {last_version}
         last = adapters[N_VERSIONS % 2]
         for url in urls:
             # Servers that report digests (issue 14 item 4) must report the published one.
             assert view.digests[url] in (None, digests[last])
-            assert served_versions(url, N_VERSIONS) == {N_VERSIONS}
+            assert served_versions(url, last_version) == {last_version}
         # A second reconcile finds nothing to do.
         assert fleet.reconcile().updates == ()
 

@@ -25,22 +25,10 @@ FAST = RetryPolicy(deadline_s=120.0, backoff_initial_s=0.01, backoff_max_s=0.05)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tiny_adapters, server_log):
-    config = serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(
-            *serve_process.tiny_lora_args(),
-            "--max-num-seqs",
-            "4",
-            "--lora-modules",
-            f"policy={tiny_adapters / 'a'}",
-            f"other={tiny_adapters / 'a'}",
-        ),
-        env={"ART_TEST_HOOKS": "1"},
-        log_path=server_log,
-    )
-    with serve_process.serving(config) as srv:
-        yield srv
+def server(lora_server):
+    """The shared plain plugin server: slots `policy` and `other` (both handed over on adapter
+    a) and the test-only fault hook (`ART_TEST_HOOKS=1`)."""
+    return lora_server
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,9 @@ Two servers with the same flags (`--disable-log-stats` included), started one af
   vLLM plugin except `art` (vLLM's own switch, `vllm/plugins/__init__.py`).
 
 They must expose the same `/metrics` families and routes, honour `--disable-log-stats` alike,
-and log the same warnings. (Before, the stat-logger entry point made vLLM force `log_stats`
-on, and the endpoint entry point made it warn "Found endpoint plugin(s) ['art'] ...".)
+and log the same warnings; the *installed* one is stock serve: no `/art/*` route at all.
+(Before, the stat-logger entry point made vLLM force `log_stats` on, and the endpoint entry
+point made it warn "Found endpoint plugin(s) ['art'] ...".)
 """
 
 from __future__ import annotations
@@ -63,7 +64,11 @@ def _observe(tiny_model, tiny_adapters, log_path, env) -> dict:
         metrics = httpx.get(server.url + "/metrics", timeout=60).text
         routes = set(httpx.get(server.url + "/openapi.json", timeout=60).json()["paths"])
         log = server.log_path.read_text(errors="replace").splitlines()
+        # after reading the log: the access log line of this probe names /art/
+        capabilities = httpx.get(server.url + "/art/v1/capabilities", timeout=30).status_code
     return {
+        "capabilities_status": capabilities,
+        "log": log,
         "families": set(re.findall(r"^# TYPE (\S+) ", metrics, re.M)),
         "routes": routes,
         "warnings": sorted(
@@ -76,6 +81,8 @@ def _observe(tiny_model, tiny_adapters, log_path, env) -> dict:
 
 @pytest.fixture(scope="module")
 def observed(tiny_model, tiny_adapters, tmp_path_factory):
+    """Two servers of their own, one after the other: what they load at start is the subject
+    (a shared server always has the plugin selected)."""
     logs = tmp_path_factory.mktemp("not-selected")
     installed = _observe(tiny_model, tiny_adapters, logs / "installed.log", {})
     baseline = _observe(
@@ -103,3 +110,11 @@ def test_same_routes_and_no_trace_of_the_plugin(observed):
     installed, baseline = observed
     assert installed["routes"] == baseline["routes"]
     assert installed["art"] == [] and baseline["art"] == []
+
+
+def test_stock_serve_without_plugin_has_no_art_routes(observed):
+    installed, _ = observed
+    assert installed["capabilities_status"] == 404
+    assert not any(p.startswith("/art") for p in installed["routes"])
+    assert "/v1/completions" in installed["routes"]
+    assert not any("art plugin active" in line for line in installed["log"])

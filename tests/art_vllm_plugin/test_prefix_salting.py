@@ -1,4 +1,5 @@
-"""Version-salted prefix caching on a real server (`--enable-prompt-tokens-details`).
+"""Version-salted prefix caching on a real server (the shared `one_seq` server of
+tests/support/server_kinds.py: `--enable-prompt-tokens-details --block-size 32`).
 
 `--max-num-seqs 1` makes a second request wait while one runs, so an update can land while a
 request waits: the case "admitted in the same step as an update".
@@ -11,29 +12,14 @@ import asyncio
 import httpx
 import pytest
 
-from art_vllm_plugin import serve_process
-
 LONG_PROMPT = " ".join(f"step {i} the policy learns from reward {i % 7}" for i in range(24))
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tiny_adapters, server_log):
-    config = serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(
-            *serve_process.tiny_lora_args(),
-            "--lora-modules",
-            f"policy={tiny_adapters / 'a'}",
-            "--enable-prompt-tokens-details",
-            "--block-size",
-            "32",
-            "--max-num-seqs",
-            "1",
-        ),
-        log_path=server_log,
-    )
-    with serve_process.serving(config) as srv:
-        yield srv
+def server(one_seq_server):
+    """`--max-num-seqs 1`, block size 32, cached tokens reported; handed over with an empty
+    prefix cache."""
+    return one_seq_server
 
 
 def cached(server, model="policy", prompt=LONG_PROMPT, **extra) -> int:
@@ -58,7 +44,8 @@ def update(server, adapter, version):
 
 
 def version(server) -> int:
-    return httpx.get(server.url + "/art/v1/slots", timeout=60).json()[0]["version"]
+    slots = httpx.get(server.url + "/art/v1/slots", timeout=60).json()
+    return {s["slot"]: s["version"] for s in slots}["policy"]
 
 
 def test_prompt_is_longer_than_a_block(server):

@@ -17,37 +17,25 @@ import pytest
 from support.adapters import make_bad_adapters
 
 from art_protocol.client import validate_spans
-from art_vllm_plugin import serve_process
 
 DURATION_S = 60.0
 CLIENTS = 8
 
 
 @pytest.fixture(scope="module")
-def bad_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("soak-bad")
+def server(lora_server):
+    """The shared plain plugin server (`lora` in tests/support/server_kinds.py)."""
+    return lora_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tiny_adapters, server_log, bad_root):
-    config = serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(
-            *serve_process.tiny_lora_args(),
-            "--lora-modules",
-            f"policy={tiny_adapters / 'a'}",
-            "--art-adapter-root",
-            str(tiny_adapters),
-            "--art-adapter-root",
-            str(bad_root),
-        ),
-        log_path=server_log,
-    )
-    with serve_process.serving(config) as srv:
-        yield srv
+def bad_root(server):
+    """Broken adapters, inside the server's allowed adapter roots."""
+    return server.scratch
 
 
-async def _soak(url, adapters, nan_adapter):
+async def _soak(url, adapters, nan_adapter, base):
+    """`base`: the slot's version when the soak starts; good updates publish base+1, +2, ..."""
     deadline = time.monotonic() + DURATION_S
     results = {"ok": 0, "failed": [], "choices": []}
     updates = {"good": [], "bad": [], "errors": []}
@@ -107,7 +95,7 @@ async def _soak(url, adapters, nan_adapter):
             results["choices"].extend((s, 32) for s in spans.values())
 
     async def updater(http):
-        version, k, start = 0, 0, time.monotonic()
+        version, k, start = base, 0, time.monotonic()
         while time.monotonic() < deadline - 1:
             k += 1
             await asyncio.sleep(max(0.0, start + k - time.monotonic()))  # at t = 1 s, 2 s, ...
@@ -141,12 +129,13 @@ async def _soak(url, adapters, nan_adapter):
 def test_soak_with_updates_every_second(server, tiny_adapters, bad_root):
     bad = make_bad_adapters(tiny_adapters / "c", bad_root)
     adapters = [tiny_adapters / n for n in ("a", "b", "c")]
-    results, updates, before, after = asyncio.run(_soak(server.url, adapters, bad["nan"][0]))
+    base = server.start_versions["policy"]
+    results, updates, before, after = asyncio.run(_soak(server.url, adapters, bad["nan"][0], base))
     assert results["failed"] == []
     assert results["ok"] > 0 and len(results["choices"]) >= results["ok"]
     assert updates["errors"] == []
     assert len(updates["bad"]) >= 8, updates  # every fifth second over ~60 s
-    assert updates["good"] == list(range(1, len(updates["good"]) + 1))
+    assert updates["good"] == list(range(base + 1, base + len(updates["good"]) + 1))
     seen_versions = set()
     for spans, n in results["choices"]:
         validate_spans({"policy_spans": spans}, n, latest_version=updates["good"][-1])

@@ -12,9 +12,9 @@ Tolerances (float32 on both sides; observed errors in parentheses):
 - per-module delta: rtol 1e-4, atol 1e-6 (about 1.5e-7 absolute, 6e-7 relative);
 - whole-model logits: atol 1e-4 (about 1.5e-6 on logits of magnitude ~3).
 
-Then the export is published into a running `vllm serve --plugin art` as an in-flight update of
-slot `policy` while a generation runs: accepted by the plugin's full validation, and the running
-generation's spans switch to the new version.
+Then the export is published into a running `vllm serve --plugin art` (the shared plain plugin
+server) as an in-flight update of slot `policy` while a generation runs: accepted by the
+plugin's full validation, and the running generation's spans switch to the new version.
 """
 
 from __future__ import annotations
@@ -76,12 +76,14 @@ START = {"fresh": (8, 16), "from_tiny_a": (8, 8)}
 
 
 @pytest.fixture(scope="module", params=sorted(START))
-def exported(request, tmp_path_factory):
+def exported(request, server):
+    """The training side's export, written inside the server's allowed adapter roots."""
     from support.vllm_server import tiny_paths
 
     assert TRAIN_PYTHON.exists(), f"{TRAIN_PYTHON} missing: run `make train-env` first"
     model_dir, adapters_dir = tiny_paths()
-    out = tmp_path_factory.mktemp(f"megatron_lora_{request.param}")
+    out = server.scratch / f"megatron_lora_{request.param}"
+    out.mkdir()
     cmd = [
         str(TRAIN_PYTHON),
         "-m",
@@ -170,26 +172,9 @@ def test_hf_model_with_export_reproduces_megatron_logits(peft_model, dumps):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from support.vllm_server import tiny_paths
-
-    from art_vllm_plugin import serve_process
-
-    model_dir, adapters_dir = tiny_paths()
-    log = tmp_path_factory.mktemp("vllm-logs") / "cross_env.log"
-    config = serve_process.ServeConfig(
-        model=str(model_dir),
-        args=(
-            *serve_process.tiny_lora_args(),
-            "--lora-modules",
-            f"policy={adapters_dir / 'a'}",
-            "--art-adapter-root",
-            str(tmp_path_factory.getbasetemp()),
-        ),
-        log_path=log,
-    )
-    with serve_process.serving(config) as srv:
-        yield srv
+def server(lora_server):
+    """The shared plain plugin server (`lora` in tests/support/server_kinds.py)."""
+    return lora_server
 
 
 def test_export_is_served_as_an_inflight_update(exported, server):
@@ -210,4 +195,5 @@ def test_export_is_served_as_an_inflight_update(exported, server):
 def httpx_get_version(url: str) -> int:
     import httpx
 
-    return httpx.get(url + "/art/v1/slots", timeout=60).json()[0]["version"]
+    slots = httpx.get(url + "/art/v1/slots", timeout=60).json()
+    return {s["slot"]: s["version"] for s in slots}["policy"]

@@ -5,8 +5,8 @@ Runs under `.venv-serve`. The training side runs as a subprocess in `.venv-train
 checkpoint (`.cache/tiny/moe`, `art_megatron_ext.lora.hf_moe_weights`, fp32, TP = EP = 1)
 dumps its logits and, per MoE layer, its router logits and selected experts for fixed
 prompts. Here:
-- a real `vllm serve --plugin art` of the same checkpoint (`--dtype float32`, eager, no LoRA:
-  `--enable-lora` with MoE needs the Triton MoE backend, absent on CPU) returns prompt
+- a real `vllm serve --plugin art` of the same checkpoint (the shared `moe_routes` server of
+  tests/support/server_kinds.py: `--dtype float32`, eager, no LoRA) returns prompt
   logprobs (top 20 plus the prompt token) that must equal Megatron's log-softmax within
   LOGPROB_ATOL;
 - HF transformers' `Qwen3MoeForCausalLM` (fp32) on the same weights gives the router top-k
@@ -100,44 +100,34 @@ def hf(prompts):
 
 
 @pytest.fixture(scope="module")
-def served(prompts, tmp_path_factory) -> list[list[dict[int, float] | None]]:
+def served(prompts, moe_routes_server) -> list[list[dict[int, float] | None]]:
     """Per prompt, vLLM's prompt logprobs: per position None or {token id: logprob}."""
     import httpx
 
-    from art_vllm_plugin import serve_process
-
-    model = str(moe_model_dir())
-    config = serve_process.ServeConfig(
-        model=model,
-        # eager: no torch.compile at start-up (minutes on a busy two-core host)
-        args=(
-            *("--dtype", "float32", "--enforce-eager", "--max-model-len", "512"),
-            *("--gpu-memory-utilization", "0.2"),
-        ),
-        log_path=tmp_path_factory.mktemp("vllm-logs") / "moe_parity.log",
-    )
+    srv = moe_routes_server
+    model = srv.config.model
+    assert model == str(moe_model_dir())
     out = []
-    with serve_process.serving(config) as srv:
-        for ids in prompts:
-            resp = httpx.post(
-                srv.url + "/v1/completions",
-                json={
-                    "model": model,
-                    "prompt": ids,
-                    "max_tokens": 1,
-                    "temperature": 0,
-                    "prompt_logprobs": TOP_LOGPROBS,
-                },
-                timeout=120,
-            )
-            assert resp.status_code == 200, resp.text
-            rows = resp.json()["choices"][0]["prompt_logprobs"]
-            out.append(
-                [
-                    None if row is None else {int(k): v["logprob"] for k, v in row.items()}
-                    for row in rows
-                ]
-            )
+    for ids in prompts:
+        resp = httpx.post(
+            srv.url + "/v1/completions",
+            json={
+                "model": model,
+                "prompt": ids,
+                "max_tokens": 1,
+                "temperature": 0,
+                "prompt_logprobs": TOP_LOGPROBS,
+            },
+            timeout=120,
+        )
+        assert resp.status_code == 200, resp.text
+        rows = resp.json()["choices"][0]["prompt_logprobs"]
+        out.append(
+            [
+                None if row is None else {int(k): v["logprob"] for k, v in row.items()}
+                for row in rows
+            ]
+        )
     return out
 
 

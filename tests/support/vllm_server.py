@@ -1,7 +1,8 @@
 """Test-side helpers for real `vllm serve` processes on the tiny model.
 
-A server start costs about 30 s here, so test modules share one server through a
-module-scoped fixture and start a fresh one only where a test needs a clean state.
+A server start costs 30-60 s here, so modules share one server per configuration
+(`server_pool.py`, `server_kinds.py`) and start one of their own only where the test needs it
+(a restart, a refused start, a configuration that is the subject of the test).
 """
 
 from __future__ import annotations

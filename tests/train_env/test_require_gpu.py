@@ -44,7 +44,11 @@ def _run(tmp_path: Path, require: str | None) -> subprocess.CompletedProcess:
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
     (tmp_path / "test_sample.py").write_text(TESTS)
     (tmp_path / "test_module_skip.py").write_text(MODULE_SKIP)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n  gpu: needs a CUDA GPU\n")
+    # pythonpath: the conftest loads the serve suite's server pool (tests/support), as the
+    # repository's pyproject does
+    (tmp_path / "pytest.ini").write_text(
+        f"[pytest]\npythonpath = {CONFTEST.parent}\nmarkers =\n  gpu: needs a CUDA GPU\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "ART_REQUIRE_GPU"}
     if require is not None:
         env["ART_REQUIRE_GPU"] = require

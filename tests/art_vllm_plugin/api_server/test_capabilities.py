@@ -1,4 +1,7 @@
-"""A real `vllm serve` on the tiny model: `--plugin art` adds `/art/*`, stock serve does not."""
+"""A real `vllm serve` on the tiny model with the plugin selected adds `/art/*`.
+
+(That stock serve has no `/art/*` is checked on the unselected server of
+`test_not_selected.py`.)"""
 
 from __future__ import annotations
 
@@ -7,29 +10,16 @@ import re
 import httpx
 import psutil
 import pytest
-from support.vllm_server import LORA_ARGS
 
 from art_vllm_plugin import serve_process
 from art_vllm_plugin.engine_core.core_pinning import CpuLayoutConfig, plan
 from art_vllm_plugin.version import __version__
 
 
-def _lora_config(tiny_model, tiny_adapters, log, plugin, env=None):
-    return serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(*LORA_ARGS, "--lora-modules", f"policy={tiny_adapters / 'a'}"),
-        plugin=plugin,
-        env=env or {},
-        log_path=log,
-    )
-
-
 @pytest.fixture(scope="module")
-def art_server(tiny_model, tiny_adapters, server_log):
-    with serve_process.serving(
-        _lora_config(tiny_model, tiny_adapters, server_log, plugin=True)
-    ) as server:
-        yield server
+def art_server(lora_server):
+    """The shared plain plugin server (`lora` in tests/support/server_kinds.py)."""
+    return lora_server
 
 
 def test_capabilities_route_answers(art_server):
@@ -107,23 +97,12 @@ def test_stock_routes_still_serve_the_lora_slot(art_server):
     assert resp.json()["usage"]["completion_tokens"] == 8
 
 
-def test_plugin_selected_through_vllm_plugins_env(tiny_model, tiny_adapters, tmp_path):
-    config = _lora_config(
-        tiny_model, tiny_adapters, tmp_path / "env.log", plugin=False, env={"VLLM_PLUGINS": "art"}
-    )
-    config.unset_env = ()
-    with serve_process.serving(config) as server:
-        resp = httpx.get(server.url + "/art/v1/capabilities", timeout=30)
-        assert resp.status_code == 200
-        assert resp.json()["plugin"] == "art"
-
-
-def test_stock_serve_without_plugin_has_no_art_routes(tiny_model, tiny_adapters, tmp_path):
-    config = _lora_config(tiny_model, tiny_adapters, tmp_path / "stock.log", plugin=False)
-    with serve_process.serving(config) as server:
-        assert httpx.get(server.url + "/art/v1/capabilities", timeout=30).status_code == 404
-        paths = {p for p in httpx.get(server.url + "/openapi.json", timeout=30).json()["paths"]}
-        assert not any(p.startswith("/art") for p in paths)
-        assert "/v1/completions" in paths
-        log = server.log_path.read_text(errors="replace")
-        assert "art plugin active" not in log
+def test_plugin_selected_through_vllm_plugins_env(art_server):
+    """The shared server is started without `--plugin`, with `VLLM_PLUGINS=art` set."""
+    config = art_server.config
+    assert config.plugin is False and config.env["VLLM_PLUGINS"] == "art"
+    assert "VLLM_PLUGINS" not in config.unset_env
+    assert "--plugin" not in serve_process.build_command(config, art_server.process.port)
+    resp = httpx.get(art_server.url + "/art/v1/capabilities", timeout=30)
+    assert resp.status_code == 200
+    assert resp.json()["plugin"] == "art"

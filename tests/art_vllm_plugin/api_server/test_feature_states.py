@@ -1,33 +1,20 @@
 """`/art/v1/capabilities` reports each feature's real state: on a plugin-selected server
-without `--enable-lora`, the LoRA features are off and say why."""
+without `--enable-lora` (the shared `moe_routes` server of tests/support/server_kinds.py), the
+LoRA features are off and say why."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from art_vllm_plugin import serve_process
-
 LORA_FEATURES = ("inflight_lora_update", "exact_aliases", "exact_leases", "prefix_cache_salting")
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, server_log):
-    config = serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(
-            "--dtype",
-            "bfloat16",
-            "--max-model-len",
-            "512",
-            "--gpu-memory-utilization",
-            "0.2",
-            "--enforce-eager",
-        ),
-        log_path=server_log,
-    )
-    with serve_process.serving(config) as srv:
-        yield srv
+def server(moe_routes_server):
+    """A plugin-selected server started without `--enable-lora`."""
+    assert "--enable-lora" not in moe_routes_server.config.args
+    return moe_routes_server
 
 
 def test_lora_features_are_off_without_enable_lora(server):
@@ -42,10 +29,10 @@ def test_lora_features_are_off_without_enable_lora(server):
     assert "no API key" in body["features"]["guarded_routes"]["reason"]
 
 
-def test_base_model_choices_still_carry_spans(server, tiny_model):
+def test_base_model_choices_still_carry_spans(server):
     resp = httpx.post(
         server.url + "/v1/completions",
-        json={"model": str(tiny_model), "prompt": "the policy", "max_tokens": 6},
+        json={"model": server.config.model, "prompt": "the policy", "max_tokens": 6},
         timeout=120,
     )
     assert resp.status_code == 200, resp.text

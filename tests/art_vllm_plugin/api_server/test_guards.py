@@ -1,4 +1,5 @@
-"""Guarded `/art/*` routes (API key) and safe adapter paths, on a real server."""
+"""Guarded `/art/*` routes (API key) and safe adapter paths, on a real server (the shared
+`keyed` server: `--api-key`, one `--art-adapter-root` and a trainer path map)."""
 
 from __future__ import annotations
 
@@ -7,45 +8,25 @@ import shutil
 
 import httpx
 import pytest
-from support.vllm_server import LORA_ARGS
-
-from art_vllm_plugin import serve_process
-
-KEY = "s3cret-key"
+from support.server_kinds import KEYED_API_KEY as KEY
 
 
 @pytest.fixture(scope="module")
-def roots(tmp_path_factory, tiny_adapters):
-    base = tmp_path_factory.mktemp("roots")
-    allowed, outside = base / "allowed", base / "outside"
-    allowed.mkdir()
-    outside.mkdir()
+def server(keyed_server):
+    """The shared `keyed` server (tests/support/server_kinds.py): `--api-key KEY`, adapter
+    root `<root>/allowed`, `--art-path-map /trainer/ckpts=<root>/allowed`."""
+    return keyed_server
+
+
+@pytest.fixture(scope="module")
+def roots(server, tiny_adapters):
+    """The server's allowed root and a directory outside it, with adapters in both."""
+    allowed, outside = server.paths.root / "allowed", server.paths.root / "outside"
     for name in ("a", "b", "c"):
         shutil.copytree(tiny_adapters / name, allowed / name)
     shutil.copytree(tiny_adapters / "c", outside / "c")
     os.symlink(outside / "c", allowed / "escape")  # a link inside the root that leaves it
     return {"allowed": allowed, "outside": outside}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model, roots, server_log):
-    config = serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(
-            *LORA_ARGS,
-            "--lora-modules",
-            f"policy={roots['allowed'] / 'a'}",
-            "--api-key",
-            KEY,
-            "--art-adapter-root",
-            str(roots["allowed"]),
-            "--art-path-map",
-            f"/trainer/ckpts={roots['allowed']}",
-        ),
-        log_path=server_log,
-    )
-    with serve_process.serving(config) as srv:
-        yield srv
 
 
 def call(server, method, route, key=None, json=None):
@@ -85,7 +66,8 @@ def test_vllm_v1_routes_follow_the_same_rule(server):
 
 
 def _version(server):
-    return call(server, "GET", "/art/v1/slots", key=KEY).json()[0]["version"]
+    slots = call(server, "GET", "/art/v1/slots", key=KEY).json()
+    return {s["slot"]: s["version"] for s in slots}["policy"]
 
 
 def test_update_with_the_key_through_a_trainer_path_map(server, roots):
@@ -98,7 +80,8 @@ def test_update_with_the_key_through_a_trainer_path_map(server, roots):
         json={"slot": "policy", "path": "/trainer/ckpts/b", "version": v},
     )
     assert resp.status_code == 200, resp.text
-    slot = call(server, "GET", "/art/v1/slots", key=KEY).json()[0]
+    slots = call(server, "GET", "/art/v1/slots", key=KEY).json()
+    (slot,) = [s for s in slots if s["slot"] == "policy"]
     assert slot["version"] == v
     assert slot["path"] == str((roots["allowed"] / "b").resolve())
 

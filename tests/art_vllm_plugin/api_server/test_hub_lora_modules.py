@@ -36,6 +36,8 @@ def hub_cache(tmp_path_factory, tiny_adapters):
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tiny_adapters, hub_cache, server_log):
+    """A server of its own: resolving a hub-id `--lora-modules` entry at start-up (from
+    `HF_HUB_CACHE`) and `--art-cpu-layout off` are the subject; no shared kind runs them."""
     config = serve_process.ServeConfig(
         model=str(tiny_model),
         args=(

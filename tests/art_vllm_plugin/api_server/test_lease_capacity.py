@@ -35,6 +35,9 @@ def _body(model: str) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tiny_adapters, server_log, tmp_path_factory):
+    """A server of its own: two device slots (`--max-loras 2`) for four LoRA modules, all
+    resident in the CPU cache (`--max-cpu-loras 6`), is the shape under test; the shared
+    kinds keep their references on the device or have room for one lease only."""
     root = tmp_path_factory.mktemp("lease_capacity")
     shutil.copytree(tiny_adapters / "c", root / "shadow_v1")
     a, b, c = (tiny_adapters / n for n in "abc")

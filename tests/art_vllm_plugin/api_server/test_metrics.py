@@ -1,7 +1,9 @@
 """`GET /art/metrics`: the JSON snapshot, its age guard, and per-slot versions in Prometheus.
 
-The module's server runs with `--max-num-seqs 2`, so four concurrent requests leave two
-waiting for capacity: schema 2's fields for the autotuner are checked on that real state.
+The module's server (the shared `one_seq` server of tests/support/server_kinds.py) runs with
+`--max-num-seqs 1`, so four concurrent requests leave three waiting for capacity: schema 2's
+fields for the autotuner are checked on that real state. Counters the server kept before this
+module (its steps, updates, preemptions) are read as differences.
 """
 
 from __future__ import annotations
@@ -11,9 +13,6 @@ import time
 
 import httpx
 import pytest
-from support.vllm_server import LORA_ARGS
-
-from art_vllm_plugin import serve_process
 
 FIELDS = {
     "schema_version",
@@ -38,24 +37,14 @@ FIELDS = {
 }
 
 
-MAX_NUM_SEQS = 2
+MAX_NUM_SEQS = 1
+CONCURRENT = 4
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tiny_adapters, server_log):
-    config = serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(
-            *LORA_ARGS,
-            "--lora-modules",
-            f"policy={tiny_adapters / 'a'}",
-            "--max-num-seqs",
-            str(MAX_NUM_SEQS),
-        ),
-        log_path=server_log,
-    )
-    with serve_process.serving(config) as srv:
-        yield srv
+def server(one_seq_server):
+    """`--max-num-seqs 1` (MAX_NUM_SEQS), slot `policy` handed over on adapter a."""
+    return one_seq_server
 
 
 def get(server, route, **params):
@@ -78,6 +67,7 @@ def generate(server, n=3):
 
 
 def test_snapshot_reports_engine_activity(server):
+    before = get(server, "/art/metrics").json()
     generate(server)
     snap = get(server, "/art/metrics").json()
     assert set(snap) >= FIELDS
@@ -85,19 +75,21 @@ def test_snapshot_reports_engine_activity(server):
     assert snap["max_num_seqs"] == MAX_NUM_SEQS and snap["max_num_batched_tokens"] > 0
     assert snap["num_waiting_for_capacity"] == 0 and snap["num_waiting_deferred"] == 0
     assert snap["idle"] is True  # every request above has finished
-    assert snap["preemptions_total"] == 0  # 1 GiB of KV cache holds three short requests
-    assert snap["engine_step"] >= 3 * 32
-    assert snap["generation_tokens_total"] >= 3 * 32
+    # 1 GiB of KV cache holds three short requests
+    assert snap["preemptions_total"] == before["preemptions_total"]
+    assert snap["engine_step"] - before["engine_step"] >= 3 * 32
+    assert snap["generation_tokens_total"] - before["generation_tokens_total"] >= 3 * 32
     assert snap["generation_tokens_per_s"] > 0
     assert 0 <= snap["kv_cache_usage"] <= 1
     assert snap["age_s"] < 30 and abs(snap["snapshot_time"] - time.time()) < 30
-    assert snap["slots"]["policy"]["version"] == 0
+    assert snap["slots"]["policy"]["version"] == server.start_versions["policy"]
 
 
 def test_waiting_for_capacity_counts_requests_beyond_max_num_seqs(server):
-    """Four long requests on a 2-sequence server: while the first two run, the snapshot
-    shows two running, two waiting for capacity, and not idle; afterwards idle again."""
+    """Four long requests on a 1-sequence server: while the first one runs, the snapshot
+    shows one running, three waiting for capacity, and not idle; afterwards idle again."""
     statuses = []
+    waiting = CONCURRENT - MAX_NUM_SEQS
 
     def one(i):
         resp = httpx.post(
@@ -112,39 +104,39 @@ def test_waiting_for_capacity_counts_requests_beyond_max_num_seqs(server):
         )
         statuses.append(resp.status_code)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(CONCURRENT)]
     for t in threads:
         t.start()
     full = []
     while any(t.is_alive() for t in threads):
         snap = get(server, "/art/metrics").json()
-        if snap["num_running"] == MAX_NUM_SEQS and snap["num_waiting"] == 2:
+        if snap["num_running"] == MAX_NUM_SEQS and snap["num_waiting"] == waiting:
             full.append(snap)
         time.sleep(0.02)
     for t in threads:
         t.join()
-    assert statuses == [200] * 4
-    # the first two requests decode 400 tokens while the other two wait: seen many times
-    assert full, "no snapshot showed 2 running and 2 waiting"
-    assert all(s["num_waiting_for_capacity"] == 2 and s["idle"] is False for s in full)
+    assert statuses == [200] * CONCURRENT
+    # the first request decodes 400 tokens while the other three wait: seen many times
+    assert full, f"no snapshot showed {MAX_NUM_SEQS} running and {waiting} waiting"
+    assert all(s["num_waiting_for_capacity"] == waiting and s["idle"] is False for s in full)
     after = get(server, "/art/metrics").json()
     assert after["idle"] is True and after["num_waiting_for_capacity"] == 0
 
 
 def test_update_counts_match_what_happened(server, tiny_adapters):
     before = get(server, "/art/metrics").json()
+    base = before["slots"]["policy"]["version"]
     url = server.url + "/art/v1/lora/update"
     ok = [
         httpx.post(
             url, json={"slot": "policy", "path": str(tiny_adapters / n), "version": v}, timeout=60
         )
-        for n, v in (("b", 1), ("c", 2))
+        for n, v in (("b", base + 1), ("c", base + 2))
     ]
     assert [r.status_code for r in ok] == [200, 200]
+    stale = {"slot": "policy", "path": str(tiny_adapters / "a"), "version": base + 1}
     bad = [
-        httpx.post(
-            url, json={"slot": "policy", "path": str(tiny_adapters / "a"), "version": 1}, timeout=60
-        ),  # stale: 409, counted on the slot
+        httpx.post(url, json=stale, timeout=60),  # stale: 409, counted on the slot
         httpx.post(url, json={"slot": "nope", "path": "x", "version": 9}, timeout=60),  # 404
         httpx.post(url, json={"slot": "policy"}, timeout=60),  # 400
     ]
@@ -152,8 +144,10 @@ def test_update_counts_match_what_happened(server, tiny_adapters):
     snap = get(server, "/art/metrics").json()
     assert snap["updates_total"] - before["updates_total"] == 2
     assert snap["failed_updates_total"] - before["failed_updates_total"] == 3
-    slot = snap["slots"]["policy"]
-    assert slot["version"] == 2 and slot["updates"] == 2 and slot["failed_updates"] == 1
+    slot, was = snap["slots"]["policy"], before["slots"]["policy"]
+    assert slot["version"] == base + 2
+    assert slot["updates"] - was["updates"] == 2
+    assert slot["failed_updates"] - was["failed_updates"] == 1
     assert slot["last_update_ms"] > 0
 
 

@@ -2,7 +2,7 @@
 with `expected_version`, the adapter digest, receipts, and the slot registry read from
 EngineCore (`/art/v1/slots`, `/art/metrics` schema 3).
 
-One real server (tiny model, `policy` on adapter a) for the module. "Not re-applied" is read
+The shared plain plugin server (`policy` handed over on adapter a). "Not re-applied" is read
 from EngineCore itself (`/art/v1/engine` counts the commits it made).
 """
 
@@ -14,36 +14,22 @@ import itertools
 import httpx
 import pytest
 from support.adapters import copy_adapter
-from support.vllm_server import LORA_ARGS
 
 from art_protocol.digest import digest_dir
-from art_vllm_plugin import serve_process
 
 PROMPT = "the policy model learns from the reward and the trainer sends"
 
 
 @pytest.fixture(scope="module")
-def scratch(tmp_path_factory):
-    return tmp_path_factory.mktemp("contract-adapters")
+def server(lora_server):
+    """The shared plain plugin server (`lora` in tests/support/server_kinds.py)."""
+    return lora_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tiny_adapters, server_log, scratch):
-    config = serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(
-            *LORA_ARGS,
-            "--lora-modules",
-            f"policy={tiny_adapters / 'a'}",
-            "--art-adapter-root",
-            str(tiny_adapters),
-            "--art-adapter-root",
-            str(scratch),
-        ),
-        log_path=server_log,
-    )
-    with serve_process.serving(config) as srv:
-        yield srv
+def scratch(server):
+    """This module's adapters, inside the server's allowed adapter roots."""
+    return server.scratch
 
 
 _OPS = itertools.count()

@@ -1,5 +1,6 @@
 """Data parallelism: `vllm serve --data-parallel-size 2` (two EngineCores, each with its own
-worker, and by default two API-server processes) runs on this CPU host, so these tests use it.
+worker, and by default two API-server processes) runs on this CPU host, so these tests use it
+(the shared `dp2` server of tests/support/server_kinds.py).
 
 - an update commits on both engines (a receipt from each) or on neither;
 - requests served by either engine carry the right tokens and spans;
@@ -17,7 +18,6 @@ vLLM's own per-engine Prometheus counters.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import time
 
@@ -25,7 +25,6 @@ import httpx
 import pytest
 
 from art_protocol.digest import digest_dir
-from art_vllm_plugin import serve_process
 
 PROMPT = "the policy model learns from the reward and the trainer sends"
 MAX_TOKENS = 8
@@ -33,32 +32,10 @@ MAX_TOKENS = 8
 MAX_CONNECTIONS = 64
 
 
-def _two_cpus() -> str:
-    cpus = sorted(os.sched_getaffinity(0))
-    return f"{cpus[0]}|{cpus[1 % len(cpus)]}"
-
-
 @pytest.fixture(scope="module")
-def server(tiny_model, tiny_adapters, server_log):
-    config = serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(
-            *serve_process.tiny_lora_args(max_loras=2),
-            "--data-parallel-size",
-            "2",
-            "--lora-modules",
-            f"policy={tiny_adapters / 'a'}",
-            f"ref_b={tiny_adapters / 'b'}",
-            "--art-adapter-root",
-            str(tiny_adapters),
-        ),
-        # One OpenMP core per engine's worker (vLLM cannot pick two NUMA nodes on this host).
-        env={"ART_TEST_HOOKS": "1", "VLLM_CPU_OMP_THREADS_BIND": _two_cpus()},
-        log_path=server_log,
-        startup_timeout_s=600.0,  # four processes importing vLLM on two cores
-    )
-    with serve_process.serving(config) as srv:
-        yield srv
+def server(dp2_server):
+    """`--data-parallel-size 2`, slots policy (a) and ref_b (b), the test-only fault hook."""
+    return dp2_server
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""A slot's weights are the committed ones, whatever path a request carries (real server).
+"""A slot's weights are the committed ones, whatever path a request carries (real server: the
+shared `one_seq` server of tests/support/server_kinds.py).
 
 More slots than `--max-loras 1 --max-cpu-loras 1` force every switch of slot to evict the
 previous adapter from the worker's GPU and CPU caches, and `--max-num-seqs 1` makes every
@@ -18,7 +19,6 @@ import httpx
 import pytest
 
 from art_protocol.client import ArtClient, validate_spans
-from art_vllm_plugin import serve_process
 
 PROMPTS = (
     "the policy model learns from the reward and the trainer sends",
@@ -30,37 +30,16 @@ ADAPTERS = ("a", "b", "c")
 
 
 @pytest.fixture(scope="module")
-def scratch(tmp_path_factory):
-    return tmp_path_factory.mktemp("eviction-adapters")
+def server(one_seq_server):
+    """`--max-loras 1 --max-cpu-loras 1 --max-num-seqs 1`, slots policy (a), other (c) and
+    ref_a, ref_b, ref_c, vLLM's dev-mode /pause and /resume routes."""
+    return one_seq_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tiny_adapters, server_log, scratch):
-    a, b, c = (tiny_adapters / n for n in ADAPTERS)
-    config = serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(
-            *serve_process.tiny_lora_args(max_loras=1),
-            "--max-cpu-loras",
-            "1",
-            "--max-num-seqs",
-            "1",
-            "--lora-modules",
-            f"policy={a}",
-            f"other={c}",
-            f"ref_a={a}",
-            f"ref_b={b}",
-            f"ref_c={c}",
-            "--art-adapter-root",
-            str(tiny_adapters),
-            "--art-adapter-root",
-            str(scratch),
-        ),
-        env={"VLLM_SERVER_DEV_MODE": "1"},  # /pause and /resume
-        log_path=server_log,
-    )
-    with serve_process.serving(config) as srv:
-        yield srv
+def scratch(server):
+    """This module's adapters, inside the server's allowed adapter roots."""
+    return server.scratch
 
 
 @pytest.fixture(scope="module")

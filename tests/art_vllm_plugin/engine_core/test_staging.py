@@ -1,14 +1,14 @@
 """Read and validate once, stage on every worker, commit all or nothing.
 
-The server runs two tensor-parallel workers (`-tp 2`, one core each), so "all workers" means
-more than one. A commit failure is injected with the test-only fault hook (`ART_TEST_HOOKS=1`
-enables `POST /art/v1/test/fault`): the named worker fails after writing its new weights.
+The server (the shared `tp2` server of tests/support/server_kinds.py) runs two
+tensor-parallel workers (`-tp 2`, one core each), so "all workers" means more than one. A
+commit failure is injected with the test-only fault hook (`ART_TEST_HOOKS=1` enables
+`POST /art/v1/test/fault`): the named worker fails after writing its new weights.
 """
 
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import pytest
@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from support.adapters import copy_adapter, edit_config
 
 from art_protocol.client import ArtClient, ArtError
-from art_vllm_plugin import serve_process, staging
+from art_vllm_plugin import staging
 from art_vllm_plugin.adapters import (
     WEIGHTS_FILE,
     AdapterError,
@@ -59,39 +59,16 @@ def test_the_bytes_validated_are_the_bytes_staged(tiny_adapters, tmp_path):
     assert not stage_dir.exists()
 
 
-def _two_cpus() -> str:
-    cpus = sorted(os.sched_getaffinity(0))
-    return f"{cpus[0]}|{cpus[1 % len(cpus)]}"
+@pytest.fixture(scope="module")
+def server(tp2_server):
+    """`-tp 2`, slots policy (a) and ref_b (b), the test-only fault hook."""
+    return tp2_server
 
 
 @pytest.fixture(scope="module")
-def scratch(tmp_path_factory):
-    return tmp_path_factory.mktemp("staging-adapters")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model, tiny_adapters, server_log, scratch):
-    a, b = tiny_adapters / "a", tiny_adapters / "b"
-    config = serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(
-            *serve_process.tiny_lora_args(max_loras=2),
-            "--tensor-parallel-size",
-            "2",
-            "--lora-modules",
-            f"policy={a}",
-            f"ref_b={b}",
-            "--art-adapter-root",
-            str(tiny_adapters),
-            "--art-adapter-root",
-            str(scratch),
-        ),
-        # One OpenMP core per worker (vLLM cannot pick two NUMA nodes on this host).
-        env={"ART_TEST_HOOKS": "1", "VLLM_CPU_OMP_THREADS_BIND": _two_cpus()},
-        log_path=server_log,
-    )
-    with serve_process.serving(config) as srv:
-        yield srv
+def scratch(server):
+    """This module's adapters, inside the server's allowed adapter roots."""
+    return server.scratch
 
 
 @pytest.fixture(scope="module")

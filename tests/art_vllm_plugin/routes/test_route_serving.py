@@ -1,7 +1,7 @@
 """Routes from a real `vllm serve --plugin art --art-routes` of the tiny Qwen3-MoE (CPU build).
 
-One float32 server per module (eager, block size 32 so that a 70-token prompt spans full
-prefix-cache blocks). What is checked:
+The shared `moe_routes` server of tests/support/server_kinds.py (float32, eager, block size 32
+so that a 70-token prompt spans full prefix-cache blocks). What is checked:
 
 - the rows are the experts the router selected: equal to HF transformers' router top-k (same
   weights, float32) on every row whose k-th and (k+1)-th router logits are not near-tied;
@@ -21,41 +21,26 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from support.server_kinds import MOE_BLOCK, ROUTES_MAX_BYTES
 
 from art_protocol.client import decode_routed_completion
 from art_protocol.routed_completion import MEDIA_TYPE
-from art_vllm_plugin import serve_process
 
 pytestmark = pytest.mark.serve
 
-MAX_BODY = 16384
-BLOCK = 32
+MAX_BODY = ROUTES_MAX_BYTES
+BLOCK = MOE_BLOCK
 
 
 @pytest.fixture(scope="module")
-def moe_model():
-    from support.vllm_server import TINY, tiny_paths
-
-    tiny_paths()
-    path = TINY / "moe"
-    if not (path / "config.json").exists():
-        pytest.fail("the tiny MoE model is missing: run `make tiny`")
-    return str(path)
+def server(moe_routes_server):
+    """The tiny Qwen3-MoE with `--art-routes`, `ART_VLLM_ROUTES_MAX_BYTES=MAX_BODY`."""
+    return moe_routes_server
 
 
 @pytest.fixture(scope="module")
-def server(moe_model, server_log):
-    config = serve_process.ServeConfig(
-        model=moe_model,
-        args=(
-            *("--dtype", "float32", "--enforce-eager", "--max-model-len", "512"),
-            *("--block-size", str(BLOCK), "--enable-prompt-tokens-details", "--art-routes"),
-        ),
-        env={"ART_VLLM_ROUTES_MAX_BYTES": str(MAX_BODY)},
-        log_path=server_log,
-    )
-    with serve_process.serving(config) as srv:
-        yield srv
+def moe_model(server):
+    return server.config.model
 
 
 def _routed(server, model, path="/art/v1/completions", **body):

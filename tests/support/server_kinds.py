@@ -1,0 +1,243 @@
+"""The shared server configurations of the serve suite (`tests/support/server_pool.py`).
+
+Each kind says which modules share it and why its flags are what they are. A module uses a
+kind through the fixture `<name>_server`; the order here is the order the kinds run in.
+Start adapters are copied under the kind's directory (`<root>/start/<slot>`), inside an
+allowed adapter root, so the hand-over can re-publish them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from support.server_pool import Kind, KindPaths
+
+#: The API key of the `keyed` server.
+KEYED_API_KEY = "shared-s3cret-key"
+#: Ceiling for a shared server's start (two cores shared with the train suite and other jobs).
+STARTUP_CEILING_S = 900.0
+
+
+def _two_cpus() -> str:
+    """One OpenMP core per worker (vLLM cannot pick two NUMA nodes on this host)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return f"{cpus[0]}|{cpus[1 % len(cpus)]}"
+
+
+def _starts(start: Path, adapters: Path, slots: dict[str, str]) -> dict[str, Path]:
+    """Copy tiny adapter `slots[slot]` to `start/<slot>` once; slot -> directory."""
+    out = {}
+    for slot, name in slots.items():
+        dst = start / slot
+        if not dst.exists():
+            shutil.copytree(adapters / name, dst)
+        out[slot] = dst
+    return out
+
+
+def _modules(starts: dict[str, Path]) -> tuple[str, ...]:
+    return ("--lora-modules", *(f"{slot}={path}" for slot, path in starts.items()))
+
+
+def _config(p: KindPaths, model: Path, args, env, **kw):
+    from art_vllm_plugin import serve_process
+
+    return serve_process.ServeConfig(
+        model=str(model),
+        args=tuple(str(a) for a in args),
+        env=env,
+        startup_timeout_s=STARTUP_CEILING_S,
+        **kw,
+    )
+
+
+# -- lora: the plain plugin server --------------------------------------------------------
+LORA_SLOTS = {"policy": "a", "other": "a", "ref_a": "a", "ref_b": "b"}
+
+
+def _lora_slots(p: KindPaths) -> dict[str, Path]:
+    return _starts(p.start, p.tiny_adapters, LORA_SLOTS)
+
+
+def _lora(p: KindPaths):
+    from art_vllm_plugin.serve_process import tiny_lora_args
+
+    return _config(
+        p,
+        p.tiny_model,
+        (
+            # three device slots: `policy` and the references `ref_a`, `ref_b` stay resident
+            *tiny_lora_args(max_loras=3),
+            *_modules(_lora_slots(p)),
+            *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
+        ),
+        # Selected through the environment, not `--plugin art` (test_capabilities checks that
+        # this works); vLLM's dev-mode /pause, /resume and /reset_prefix_cache; the fault hook.
+        {"VLLM_PLUGINS": "art", "VLLM_SERVER_DEV_MODE": "1", "ART_TEST_HOOKS": "1"},
+        plugin=False,
+        unset_env=(),
+    )
+
+
+# -- keyed: an API key, an adapter root and a trainer path map -----------------------------
+def _keyed_slots(p: KindPaths) -> dict[str, Path]:
+    return _starts(p.root / "allowed" / "start", p.tiny_adapters, {"policy": "a", "ref_b": "b"})
+
+
+def _keyed(p: KindPaths):
+    from art_vllm_plugin.serve_process import tiny_lora_args
+
+    allowed = p.root / "allowed"
+    (p.root / "outside").mkdir(parents=True, exist_ok=True)
+    return _config(
+        p,
+        p.tiny_model,
+        (
+            # max_cpu_loras 3: the two slots and one exact lease (test_leases fills it)
+            *tiny_lora_args(max_loras=2),
+            *("--max-cpu-loras", "3"),
+            *_modules(_keyed_slots(p)),
+            *("--api-key", KEYED_API_KEY),
+            *("--art-adapter-root", allowed, "--art-path-map", f"/trainer/ckpts={allowed}"),
+        ),
+        # vLLM's dev-mode /is_paused and /resume, the step hold (tests/support/step_hold.py)
+        {"VLLM_SERVER_DEV_MODE": "1", "ART_TEST_HOOKS": "1"},
+    )
+
+
+# -- one_seq: one request at a time, one LoRA slot, small prefix-cache blocks -----------------
+ONE_SEQ_SLOTS = {"policy": "a", "other": "c", "ref_a": "a", "ref_b": "b", "ref_c": "c"}
+
+
+def _one_seq_slots(p: KindPaths) -> dict[str, Path]:
+    return _starts(p.start, p.tiny_adapters, ONE_SEQ_SLOTS)
+
+
+def _one_seq(p: KindPaths):
+    from art_vllm_plugin.serve_process import tiny_lora_args
+
+    return _config(
+        p,
+        p.tiny_model,
+        (
+            # every switch of slot evicts the previous adapter from the GPU and CPU caches
+            *tiny_lora_args(max_loras=1),
+            *("--max-cpu-loras", "1"),
+            # one request runs, the others wait (batch of one: exactly reproducible tokens)
+            *("--max-num-seqs", "1"),
+            # prefix caching observable on short prompts, cached tokens reported
+            *("--block-size", "32", "--enable-prompt-tokens-details"),
+            *_modules(_one_seq_slots(p)),
+            *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
+        ),
+        {"VLLM_SERVER_DEV_MODE": "1"},
+    )
+
+
+# -- tp2: two tensor-parallel workers --------------------------------------------------------
+def _tp2_slots(p: KindPaths) -> dict[str, Path]:
+    return _starts(p.start, p.tiny_adapters, {"policy": "a", "ref_b": "b"})
+
+
+def tp_config(p: KindPaths, tp: int, log_path: Path | None = None):
+    """`-tp N` on the tiny model, float32: bf16 sums split over two ranks round differently
+    and greedy tokens drift apart after a few dozen tokens; float32 keeps the sharded sums
+    equal to the whole (test_tensor_parallel compares -tp 2 with -tp 1)."""
+    from art_vllm_plugin.serve_process import tiny_lora_args
+
+    env = {"VLLM_SERVER_DEV_MODE": "1", "ART_TEST_HOOKS": "1"}
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = _two_cpus()
+    return _config(
+        p,
+        p.tiny_model,
+        (
+            *tiny_lora_args(max_loras=2),
+            *("--tensor-parallel-size", str(tp), "--dtype", "float32"),
+            *_modules(_tp2_slots(p)),
+            *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
+        ),
+        env,
+        log_path=log_path,
+    )
+
+
+# -- dp2: two data-parallel engines, two API servers -------------------------------------------
+def _dp2_slots(p: KindPaths) -> dict[str, Path]:
+    return _starts(p.start, p.tiny_adapters, {"policy": "a", "ref_b": "b"})
+
+
+def _dp2(p: KindPaths):
+    from art_vllm_plugin.serve_process import tiny_lora_args
+
+    return _config(
+        p,
+        p.tiny_model,
+        (
+            *tiny_lora_args(max_loras=2),
+            *("--data-parallel-size", "2"),
+            *_modules(_dp2_slots(p)),
+            *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
+        ),
+        {"ART_TEST_HOOKS": "1", "VLLM_CPU_OMP_THREADS_BIND": _two_cpus()},
+    )
+
+
+# -- moe_routes: the tiny Qwen3-MoE with --art-routes, no LoRA ----------------------------------
+#: The route response size limit the MoE server runs with (test_route_serving checks the 413).
+ROUTES_MAX_BYTES = 16384
+#: Prefix-cache block size of the MoE server (a 70-token prompt spans full blocks).
+MOE_BLOCK = 32
+
+
+def _moe_routes(p: KindPaths):
+    if not (p.moe_model / "config.json").exists():
+        raise FileNotFoundError(f"the tiny MoE model is missing at {p.moe_model}: run `make tiny`")
+    return _config(
+        p,
+        p.moe_model,
+        (
+            # float32 and eager: routes and logprobs are compared with HF and Megatron in fp32
+            *("--dtype", "float32", "--enforce-eager", "--max-model-len", "512"),
+            *("--gpu-memory-utilization", "0.2"),
+            *("--block-size", MOE_BLOCK, "--enable-prompt-tokens-details", "--art-routes"),
+        ),
+        {"ART_VLLM_ROUTES_MAX_BYTES": str(ROUTES_MAX_BYTES), "VLLM_SERVER_DEV_MODE": "1"},
+    )
+
+
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in (
+        Kind(
+            "lora",
+            "tiny model, LoRA slots policy/other/ref_a/ref_b, fault hook, dev mode",
+            _lora,
+            _lora_slots,
+        ),
+        Kind(
+            "keyed",
+            "API key, adapter root and trainer path map, slots policy/ref_b",
+            _keyed,
+            _keyed_slots,
+            api_key=KEYED_API_KEY,
+            modules_dir=lambda p: p.root / "allowed" / "modules",
+        ),
+        Kind(
+            "one_seq",
+            "--max-num-seqs 1, one LoRA slot on device and in CPU, block size 32",
+            _one_seq,
+            _one_seq_slots,
+        ),
+        Kind(
+            "tp2",
+            "--tensor-parallel-size 2, float32, fault hook",
+            lambda p: tp_config(p, 2),
+            _tp2_slots,
+        ),
+        Kind("dp2", "--data-parallel-size 2, fault hook", _dp2, _dp2_slots),
+        Kind("moe_routes", "tiny Qwen3-MoE, --art-routes, no LoRA", _moe_routes, lambda p: {}),
+    )
+}
