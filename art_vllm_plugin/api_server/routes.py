@@ -95,4 +95,33 @@ async def test_fault(request: Request):
     return {"armed": {"kind": kind, "rank": rank, "engine": engine}}
 
 
+@router.post("/v1/test/hold")
+async def test_hold(request: Request):
+    """Test-only step hold (404 unless the server runs with ART_TEST_HOOKS=1).
+
+    Body `{"step": N[, "engine": D]}`: once DP engine D (default 0) has completed N steps, it
+    freezes its running requests itself, as `POST /pause?mode=keep` does, so that an update
+    sent next lands after exactly that step; `POST /resume` continues. 409 when step N has
+    already passed.
+    """
+    if os.environ.get("ART_TEST_HOOKS") != "1":
+        return _error(404, "Not Found")
+    body = await request.json()
+    step, engine = body.get("step"), body.get("engine", 0)
+    targets = dict(compat.engine_targets(request.app.state.art.engine_client))
+    if not isinstance(step, int) or isinstance(step, bool) or engine not in targets:
+        return _error(
+            400, f'body must be {{"step": <int>, "engine": <dp rank in {sorted(targets)}>}}'
+        )
+    try:
+        await compat.call_engine_utility_on(
+            request.app.state.art.engine_client, targets[engine], "art_test_hold_at_step", step
+        )
+    except Exception as exc:  # the engine's ValueError comes back wrapped by vLLM
+        if "has passed" in str(exc):
+            return _error(409, str(exc))
+        raise
+    return {"armed": {"step": step, "engine": engine}}
+
+
 router.include_router(lease_routes.router)  # /art/v1/leases

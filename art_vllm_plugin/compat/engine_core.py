@@ -26,6 +26,13 @@ def engine_scheduler(core):
     return core.scheduler
 
 
+def freeze_running_requests(core) -> None:
+    """What vLLM's `POST /pause?mode=keep&clear_cache=false` does in the engine: the scheduler
+    stops stepping, running requests keep their place and KV cache; `POST /resume` undoes it.
+    (The returned future, done once the engine is idle, is left alone: nobody waits on it.)"""
+    core.pause_scheduler(mode="keep", clear_cache=False)
+
+
 def engine_batch_queue_size(core) -> int:
     return int(getattr(core, "batch_queue_size", 1) or 1)
 

@@ -135,6 +135,12 @@ ENGINE_WEIGHT_VERSION = VllmName(
     _ENGINE, "EngineCore._weight_version", "attribute", "the label vLLM stamps on each step"
 )
 ENGINE_EXECUTOR = VllmName(_ENGINE, "EngineCore.model_executor", "attribute", "collective_rpc")
+ENGINE_PAUSE_SCHEDULER = VllmName(
+    _ENGINE,
+    "EngineCore.pause_scheduler",
+    "method",
+    "test-only step hold (ART_TEST_HOOKS=1): freeze running requests as /pause?mode=keep does",
+)
 ENGINE_SCHEDULER = VllmName(_ENGINE, "EngineCore.scheduler", "attribute", "waiting queues")
 ENGINE_BATCH_QUEUE = VllmName(
     _ENGINE, "EngineCore.batch_queue", "attribute", "batches in flight at a commit"

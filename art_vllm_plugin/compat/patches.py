@@ -109,6 +109,7 @@ SLOT_UPDATE_UTILITIES = adds(
         "art_reserve_update",
         "art_finish_update",
         "art_test_inject_fault",
+        "art_test_hold_at_step",
         "art_slot_state",
     ),
     by="engine_core.slot_updates",

@@ -93,6 +93,9 @@ def on_outputs(core, state: EngineCoreState, outputs) -> None:
         label = state.leases.current_if_pinned(compat.engine_weight_label(core))
     if label is not None:
         compat.set_output_weight_label(outputs, label)
+    if state.hold_at_step is not None and s.completed >= state.hold_at_step:
+        state.hold_at_step = None
+        compat.freeze_running_requests(core)
 
 
 def attach_batch_label(attach_weight_version):

@@ -232,6 +232,21 @@ def art_test_inject_fault(self, kind: str, rank: int) -> bool:
     return True
 
 
+def art_test_hold_at_step(self, step: int) -> bool:
+    """Test-only hook, refused unless the server runs with ART_TEST_HOOKS=1: once `step` engine
+    steps have completed, freeze the running requests (as `POST /pause?mode=keep` does) from
+    inside the engine. A test that needs an update to land after exactly that step arms it
+    before sending the request; a pause sent by a client lands wherever the host's timing
+    puts it, possibly after the request ended. `POST /resume` continues."""
+    if os.environ.get(TEST_HOOKS_ENV) != "1":
+        raise PermissionError(f"test hooks are off (set {TEST_HOOKS_ENV}=1 to enable)")
+    state = engine_state(self)
+    if step <= state.stamps.completed:
+        raise ValueError(f"step {step} has passed: {state.stamps.completed} steps completed")
+    state.hold_at_step = step
+    return True
+
+
 def art_slot_state(self) -> dict[str, Any]:
     """Versions, steps, update count, stalls and waiting requests, for tests and metrics."""
     engine = engine_state(self)

@@ -91,6 +91,9 @@ class EngineCoreState:
     registry: SlotRegistry = field(default_factory=SlotRegistry)
     stamps: BatchStamps = field(default_factory=BatchStamps)
     leases: LeaseLabels = field(default_factory=LeaseLabels)
+    #: Test-only (ART_TEST_HOOKS=1, `art_test_hold_at_step`): once this many steps have
+    #: completed, the engine freezes its running requests itself (then None again).
+    hold_at_step: int | None = None
     #: CPUs EngineCore was confined to (`core_pinning`), None when left alone.
     cpu_layout: list[int] | None = None
     cpu_layout_applied: bool = False

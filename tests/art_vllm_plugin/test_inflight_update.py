@@ -1,15 +1,16 @@
 """In-flight LoRA slot updates with per-token policy spans, on a real `vllm serve`.
 
-One server for the module: slot `policy` starts on adapter a; `ref_a` and `ref_b` serve
-adapters a and b loaded by stock vLLM from their files, as references for exact weights.
-Tests run in file order and each reads the slot's current version instead of assuming it.
+The shared plain plugin server (`lora` in tests/support/server_kinds.py): slot `policy` is
+handed over on adapter a; `ref_a` and `ref_b` serve adapters a and b loaded by stock vLLM from
+their files, as references for exact weights. Tests run in file order and each reads the
+slot's current version instead of assuming it.
 
-Mid-generation scenarios are deterministic: once the generation has run a few engine steps,
-the test freezes every running request with vLLM's own `POST /pause?mode=keep` (the dev-mode
-route over `AsyncLLM.pause_generation(mode="keep", clear_cache=False)`, so the server runs with
-`VLLM_SERVER_DEV_MODE=1`), publishes the update while nothing steps, and resumes: the update
-always lands between two steps of the running request. A scenario whose generation ended
-before the pause fails; none is retried or skipped.
+Mid-generation scenarios are deterministic: the test arms the engine to freeze its running
+requests once they have run STEPS_BEFORE_UPDATE engine steps (`POST /art/v1/test/hold`, the
+test-only hook, freezes them as vLLM's dev-mode `POST /pause?mode=keep` does, from inside the
+engine, so no host timing can let the generation run past it), publishes the update while
+nothing steps, and resumes: the update always lands after exactly that step of the running
+request (tests/support/step_hold.py). None is retried or skipped.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import httpx
 import psutil
 import pytest
 from support.adapters import make_bad_adapters
+from support.step_hold import engine_steps, update_after_steps
 
 from art_protocol.client import ArtClient, ArtError, SpanError, validate_spans
-from art_vllm_plugin import serve_process
 
 PROMPT = "the policy model learns from the reward and the trainer sends"
 LONG = 460
@@ -34,31 +35,16 @@ STEPS_BEFORE_UPDATE = 8
 
 
 @pytest.fixture(scope="module")
-def bad_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("bad")
+def server(lora_server):
+    """The shared plain plugin server, with `--max-loras 3` (policy, ref_a and ref_b stay on
+    the device) and vLLM's dev-mode /pause and /resume routes."""
+    return lora_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tiny_adapters, server_log, bad_root):
-    a, b = tiny_adapters / "a", tiny_adapters / "b"
-    config = serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(
-            *serve_process.tiny_lora_args(max_loras=3),
-            "--lora-modules",
-            f"policy={a}",
-            f"ref_a={a}",
-            f"ref_b={b}",
-            "--art-adapter-root",
-            str(tiny_adapters),
-            "--art-adapter-root",
-            str(bad_root),
-        ),
-        env={"VLLM_SERVER_DEV_MODE": "1"},  # vLLM's /pause and /resume routes
-        log_path=server_log,
-    )
-    with serve_process.serving(config) as srv:
-        yield srv
+def bad_root(server):
+    """Broken adapters, inside the server's allowed adapter roots."""
+    return server.scratch
 
 
 @pytest.fixture(scope="module")
@@ -105,51 +91,17 @@ def preemptions(server) -> float:
     )
 
 
-async def _steps(client) -> int:
-    return (await client.get("/art/v1/engine")).json()["steps"]
-
-
-async def _wait_for_steps(client, target: int, generation: asyncio.Task) -> None:
-    """Wait until the engine completed `target` steps; fail if the generation ended first."""
-    while await _steps(client) < target:
-        if generation.done():
-            pytest.fail(f"the generation ended before engine step {target}; no update landed")
-        await asyncio.sleep(0.01)
-
-
-async def _paused_update(client, path, version) -> dict:
-    """Freeze running requests (`mode=keep`, caches kept), publish an update, resume.
-
-    The update is applied while no step runs, so it lands between two steps of every request
-    that is running now; the requests continue on the new weights after the resume.
-    """
-    paused = await client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
-    assert paused.status_code == 200, paused.text
-    try:
-        upd = await client.post(
-            "/art/v1/lora/update", json={"slot": "policy", "path": str(path), "version": version}
-        )
-    finally:
-        resumed = await client.post("/resume")
-    assert resumed.status_code == 200, resumed.text
-    assert upd.status_code == 200, upd.text
-    return upd.json()
-
-
 async def _update_mid_generation(server, route, body, path, version):
-    """Start a generation, publish an update after STEPS_BEFORE_UPDATE of its engine steps.
+    """Start a generation, publish an update after STEPS_BEFORE_UPDATE of its engine steps
+    (the engine holds itself there: tests/support/step_hold.py).
 
     Returns (HTTP response, update result, engine step count when the request was sent).
     """
+    update = {"slot": "policy", "path": str(path), "version": version}
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-        s0 = await _steps(client)
-        gen = asyncio.create_task(client.post(route, json=body))
-        await _wait_for_steps(client, s0 + STEPS_BEFORE_UPDATE, gen)
-        if gen.done():
-            pytest.fail("the generation ended before the pause; no update landed")
-        upd = await _paused_update(client, path, version)
-        resp = await gen
-    return resp, upd, s0
+        return await update_after_steps(
+            client, lambda: client.post(route, json=body), STEPS_BEFORE_UPDATE, update
+        )
 
 
 def update_mid_generation(server, body, path, version, route="/v1/completions"):
@@ -317,14 +269,13 @@ def test_stale_version_and_unknown_slot_and_malformed_request(server, art, tiny_
 async def _stream(server, route, body, update=None):
     """Stream `body`; returns {choice index: merged chunk spans}, token counts, errors.
 
-    With `update=(path, version)`, publishes it (paused, see `_paused_update`) once the engine
-    ran STEPS_BEFORE_UPDATE steps of the stream.
+    With `update=(path, version)`, publishes it once the engine ran STEPS_BEFORE_UPDATE steps of
+    the stream (the engine holds itself there: tests/support/step_hold.py).
     """
     spans: dict[int, list] = {}
     chunks_with_tokens: dict[int, int] = {}
     errors = []
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-        s0 = (await client.get("/art/v1/engine")).json()["steps"]
 
         async def consume():
             async with client.stream("POST", route, json={**body, "stream": True}) as resp:
@@ -351,14 +302,13 @@ async def _stream(server, route, body, update=None):
                                 chunks_with_tokens.get(choice["index"], 0) + 1
                             )
 
-        task = asyncio.create_task(consume())
-        upd = None
-        if update is not None:
-            await _wait_for_steps(client, s0 + STEPS_BEFORE_UPDATE, task)
-            if task.done():
-                pytest.fail("the stream ended before the pause; no update landed")
-            upd = await _paused_update(client, *update)
-        await task
+        if update is None:
+            upd, s0 = None, await engine_steps(client)
+            await consume()
+        else:
+            path, version = update
+            body_ = {"slot": "policy", "path": str(path), "version": version}
+            _, upd, s0 = await update_after_steps(client, consume, STEPS_BEFORE_UPDATE, body_)
     return spans, chunks_with_tokens, errors, upd, s0
 
 

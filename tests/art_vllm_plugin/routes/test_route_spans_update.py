@@ -5,9 +5,9 @@ in the CPU build LoRA on a MoE model is served only with the experts left out of
 (`art_vllm_plugin.worker.moe_lora_cpu`), so the adapters here are attention-only PEFT adapters
 made from the MoE model itself (seeded, real safetensors).
 
-The update lands mid-generation deterministically, as in `tests/art_vllm_plugin/
-test_inflight_update.py`: after a few engine steps of the routed request the test freezes it
-with vLLM's dev-mode `POST /pause?mode=keep&clear_cache=false`, publishes version 2 and
+The update lands mid-generation deterministically, as in
+`tests/art_vllm_plugin/test_inflight_update.py`: the engine freezes the routed request itself
+after a few of its steps (tests/support/step_hold.py), the test publishes version 2 and
 resumes. Row t of the routes was produced by the forward that sampled token t+1, so the route
 span boundary sits one row before the policy span boundary (in sequence positions).
 """
@@ -21,6 +21,7 @@ import json
 import httpx
 import numpy as np
 import pytest
+from support.step_hold import update_after_steps
 
 from art_protocol.client import ArtClient, decode_routed_completion, validate_spans
 from art_vllm_plugin import serve_process
@@ -79,6 +80,8 @@ def adapters(moe_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(moe_model, adapters, server_log):
+    """A server of its own: the only MoE server with LoRA (attention-only targets, made from
+    the MoE model by this module); no other module needs that configuration."""
     config = serve_process.ServeConfig(
         model=str(moe_model),
         args=(
@@ -89,8 +92,13 @@ def server(moe_model, adapters, server_log):
             *("--lora-modules", f"policy={adapters / 'a'}"),
             *("--art-adapter-root", str(adapters)),
         ),
-        # vLLM's /pause and /resume routes; /v1/load_lora_adapter for the refusal test.
-        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+        # vLLM's /is_paused and /resume routes and the step hold (tests/support/step_hold.py);
+        # /v1/load_lora_adapter for the refusal test.
+        env={
+            "VLLM_SERVER_DEV_MODE": "1",
+            "ART_TEST_HOOKS": "1",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        },
         log_path=server_log,
     )
     with serve_process.serving(config) as srv:
@@ -124,25 +132,16 @@ def _routed(resp: httpx.Response):
 
 
 async def _update_mid_generation(server, path, version):
+    """A routed generation; `version` is published after STEPS_BEFORE_UPDATE of its engine
+    steps (the engine holds itself there: tests/support/step_hold.py)."""
+    update = {"slot": "policy", "path": str(path), "version": version}
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-        s0 = (await client.get("/art/v1/engine")).json()["steps"]
-        gen = asyncio.create_task(client.post("/art/v1/completions", json=_body()))
-        while (await client.get("/art/v1/engine")).json()["steps"] < s0 + STEPS_BEFORE_UPDATE:
-            if gen.done():
-                pytest.fail("the generation ended before the pause; no update landed")
-            await asyncio.sleep(0.01)
-        paused = await client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
-        assert paused.status_code == 200, paused.text
-        try:
-            upd = await client.post(
-                "/art/v1/lora/update",
-                json={"slot": "policy", "path": str(path), "version": version},
-            )
-        finally:
-            resumed = await client.post("/resume")
-        assert resumed.status_code == 200, resumed.text
-        assert upd.status_code == 200, upd.text
-        return await gen, upd.json(), s0
+        return await update_after_steps(
+            client,
+            lambda: client.post("/art/v1/completions", json=_body()),
+            STEPS_BEFORE_UPDATE,
+            update,
+        )
 
 
 def _row_versions(policy_spans, prompt_len: int, rows: int) -> list[int]:
