@@ -1,16 +1,19 @@
 """The Pipeline RL example loop (`examples/pipeline_rl`) learns, and breaks when updates break.
 
-Runs under `.venv-serve`. Each run is the real thing `make demo` runs, shortened: the driver
+Runs under `.venv-serve`. The learning run is what `make demo` runs (40 steps); the wrong-slot
+run is shortened. The driver
 starts a real `vllm serve --plugin art` (tiny model, float32, slot `policy`) and the trainer in
 `.venv-train` (Megatron GPT + LoRA, resident optimizer, prefix-tree packing, PEFT export,
 in-flight publish), rollout workers sample while the trainer trains. Fixed seeds (prompts,
 LoRA init, vLLM sampling seeds per request); update timing still varies with the host's load,
 so the thresholds leave room for it:
 
-- reward rises: the mean reward of the last 3 of 24 steps exceeds the first 3 steps' by at
+- reward rises: the mean reward of the last 3 of 40 steps exceeds the first 3 steps' by at
   least REWARD_RISE (0.04, absolute). The task's reward starts near 0.03 and takes off after
-  about 15 steps; observed: +0.08 to +0.14 by step 20-24 in four runs; a flat run's
-  difference stays within about 0.02;
+  15 to 25 steps, depending on the host's timing: by step 24 observed +0.08 to +0.14 in four
+  runs, and +0.03 in a run beside the train suite (which is why the run is 40 steps); by
+  step 40 +0.56 and +0.68 (bench/RESULTS.md). A flat run's difference stays within about
+  0.02;
 - the same loop publishing to the wrong slot (`shadow`: rollouts keep sampling version 0)
   does not pass that check; its policy ages grow with the step, which the age filter would
   turn into dropped batches (here the age limit is lifted so the reward check itself fails);
@@ -28,7 +31,7 @@ so the thresholds leave room for it:
   window that keeps the settings and says why, instead of stopping training).
 
 - a lease evaluation is exact: version 3 pinned after step 3 (`POST /art/v1/leases`), evaluated
-  greedily on `policy@3` then and again after step 24 gives the same tokens, every span says
+  greedily on `policy@3` then and again after step 40 gives the same tokens, every span says
   version 3, the moved slot's greedy tokens differ, and the lease is released.
 """
 
@@ -46,7 +49,7 @@ pytestmark = pytest.mark.serve
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "examples" / "pipeline_rl" / "run.py"
-STEPS = 24  # the learning run
+STEPS = 40  # the learning run (`make demo`'s default)
 WRONG_STEPS = 12  # the wrong-slot run (flat reward; three autotune windows)
 REWARD_RISE = 0.04
 FRESH_TOLERANCE = 1e-3
@@ -123,7 +126,7 @@ def test_updates_published_and_optimizer_checkpoints_committed(good):
     out = good[1]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["updates_published"] == STEPS
-    assert summary["optimizer_saves"] == [5, 10, 15, 20, STEPS]
+    assert summary["optimizer_saves"] == list(range(5, STEPS + 1, 5))
     assert summary["optimizer_step"] == STEPS and summary["optimizer_generation"] is not None
     assert (out / "loop.png").stat().st_size > 0 or "matplotlib not installed" in good[0].stdout
 
