@@ -315,20 +315,35 @@ def _slots(http, name: str) -> dict[str, dict]:
     return {s["slot"]: s for s in resp.json()}
 
 
+def _queued(http, name: str) -> tuple[float, float]:
+    """(running, waiting) requests summed over every engine, from vLLM's own per-engine gauges
+    (`/metrics`). Not `/art/metrics`: with data parallelism each API server answers from the
+    feed of whichever engine stepped last, so an idle engine's last busy figures can stand
+    there indefinitely (seen: `num_running` 3 with both engines idle)."""
+    resp = http.get("/metrics")
+    if resp.status_code != 200:
+        raise HandOverError(f"{name} server: /metrics: {resp.status_code} {resp.text[:200]}")
+    totals = {"running": 0.0, "waiting": 0.0}
+    for line in resp.text.splitlines():
+        for what in totals:
+            if line.startswith(f"vllm:num_requests_{what}{{"):
+                totals[what] += float(line.rsplit(" ", 1)[1])
+    return totals["running"], totals["waiting"]
+
+
 def _drain(http, name: str, module: str | None = None) -> None:
     """Wait until no request runs or waits (a module's last responses may still be in flight
     on the server side when its client returned, e.g. a cancelled stream)."""
     deadline = time.monotonic() + DRAIN_CEILING_S
     while True:
-        snap = http.get("/art/metrics").json()
-        if snap.get("num_running", 0) == 0 and snap.get("num_waiting", 0) == 0:
+        running, waiting = _queued(http, name)
+        if running == 0 and waiting == 0:
             return
         if time.monotonic() > deadline:
             who = f"{module} left" if module else "the previous module left"
             raise HandOverError(
                 f"{who} requests running on the shared {name} server after "
-                f"{DRAIN_CEILING_S:.0f} s: running {snap.get('num_running')}, waiting "
-                f"{snap.get('num_waiting')}"
+                f"{DRAIN_CEILING_S:.0f} s: running {running:g}, waiting {waiting:g}"
             )
         time.sleep(0.2)
 
