@@ -133,9 +133,12 @@ def install_api_server() -> None:
         alias_requests,
         response_spans,
         route_completions,
+        stock_lora_routes,
         stream_spans,
     )
 
+    compat.wrap(P.STOCK_LORA_LOAD, stock_lora_routes.refuse_slot_names)
+    compat.wrap(P.STOCK_LORA_UNLOAD, stock_lora_routes.refuse_slot_names)
     compat.wrap(P.COMPLETION_RESPONSE_SPANS, response_spans.spans_on_completion_choices)
     compat.wrap(P.COMPLETION_ALIAS_CHECK, alias_requests.serve_exact_alias)
     compat.wrap(P.CHAT_RESPONSE_SPANS, response_spans.spans_on_chat_choices)

@@ -89,6 +89,12 @@ def serving_handlers(app_state) -> tuple[object, object]:
     )
 
 
+def error_response(message: str, err_type: str, status_code: int):
+    """vLLM's `ErrorResponse` (what its own handlers return; the route turns it into JSON with
+    `status_code`)."""
+    return load(names.CREATE_ERROR_RESPONSE)(message, err_type=err_type, status_code=status_code)
+
+
 def completion_request_class():
     return load(names.COMPLETION_REQUEST)
 

@@ -105,6 +105,12 @@ SERVING_MODELS = VllmName(
     "attribute",
     "the OpenAIServingModels every serving object shares: the API server state hangs on it",
 )
+CREATE_ERROR_RESPONSE = VllmName(
+    "vllm.entrypoints.serve",
+    "create_error_response",
+    "function",
+    "the ErrorResponse stock LoRA routes return (refusals on slot names)",
+)
 LORA_ID_COUNTER = VllmName(
     "vllm.entrypoints.openai.models.serving",
     "OpenAIServingModels.lora_id_counter",

@@ -205,6 +205,19 @@ CHAT_RESPONSE_SPANS = VllmPatch(
     by="api_server.response_spans.spans_on_chat_choices",
     why="policy_spans on every chat choice",
 )
+STOCK_LORA_LOAD = VllmPatch(
+    "vllm.entrypoints.openai.models.serving",
+    "OpenAIServingModels.load_lora_adapter",
+    by="api_server.stock_lora_routes.refuse_slot_names",
+    why="stock /v1/load_lora_adapter on a slot name would report success and serve the old "
+    "weights: refused (409) naming /art/v1/lora/update",
+)
+STOCK_LORA_UNLOAD = VllmPatch(
+    "vllm.entrypoints.openai.models.serving",
+    "OpenAIServingModels.unload_lora_adapter",
+    by="api_server.stock_lora_routes.refuse_slot_names",
+    why="stock /v1/unload_lora_adapter on a slot name: refused (409), a slot stays served",
+)
 COMPLETION_ALIAS_CHECK = VllmPatch(
     _COMPLETION,
     "OpenAIServingCompletion.create_completion",

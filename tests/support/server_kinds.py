@@ -74,8 +74,15 @@ def _lora(p: KindPaths):
             *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
         ),
         # Selected through the environment, not `--plugin art` (test_capabilities checks that
-        # this works); vLLM's dev-mode /pause, /resume and /reset_prefix_cache; the fault hook.
-        {"VLLM_PLUGINS": "art", "VLLM_SERVER_DEV_MODE": "1", "ART_TEST_HOOKS": "1"},
+        # this works); vLLM's dev-mode /pause, /resume and /reset_prefix_cache; the test hooks;
+        # vLLM's runtime /v1/load_lora_adapter and /v1/unload_lora_adapter
+        # (test_stock_lora_routes).
+        {
+            "VLLM_PLUGINS": "art",
+            "VLLM_SERVER_DEV_MODE": "1",
+            "ART_TEST_HOOKS": "1",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        },
         plugin=False,
         unset_env=(),
     )
