@@ -41,7 +41,7 @@ def _modules(starts: dict[str, Path]) -> tuple[str, ...]:
     return ("--lora-modules", *(f"{slot}={path}" for slot, path in starts.items()))
 
 
-def _config(p: KindPaths, model: Path, args, env, **kw):
+def _config(model: Path, args, env, **kw):
     from art_vllm_plugin import serve_process
 
     return serve_process.ServeConfig(
@@ -65,7 +65,6 @@ def _lora(p: KindPaths):
     from art_vllm_plugin.serve_process import tiny_lora_args
 
     return _config(
-        p,
         p.tiny_model,
         (
             # three device slots: `policy` and the references `ref_a`, `ref_b` stay resident
@@ -99,7 +98,6 @@ def _keyed(p: KindPaths):
     allowed = p.root / "allowed"
     (p.root / "outside").mkdir(parents=True, exist_ok=True)
     return _config(
-        p,
         p.tiny_model,
         (
             # max_cpu_loras 3: the two slots and one exact lease (test_leases fills it)
@@ -126,7 +124,6 @@ def _one_seq(p: KindPaths):
     from art_vllm_plugin.serve_process import tiny_lora_args
 
     return _config(
-        p,
         p.tiny_model,
         (
             # every switch of slot evicts the previous adapter from the GPU and CPU caches
@@ -158,7 +155,6 @@ def tp_config(p: KindPaths, tp: int, log_path: Path | None = None):
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = _two_cpus()
     return _config(
-        p,
         p.tiny_model,
         (
             *tiny_lora_args(max_loras=2),
@@ -180,7 +176,6 @@ def _dp2(p: KindPaths):
     from art_vllm_plugin.serve_process import tiny_lora_args
 
     return _config(
-        p,
         p.tiny_model,
         (
             *tiny_lora_args(max_loras=2),
@@ -203,7 +198,6 @@ def _moe_routes(p: KindPaths):
     if not (p.moe_model / "config.json").exists():
         raise FileNotFoundError(f"the tiny MoE model is missing at {p.moe_model}: run `make tiny`")
     return _config(
-        p,
         p.moe_model,
         (
             # float32 and eager: routes and logprobs are compared with HF and Megatron in fp32
