@@ -16,7 +16,7 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help envs serve-env train-env tiny demo demo-serve test test-serve test-train lint clean gpu-carry
+.PHONY: help envs serve-env train-env tiny demo demo-serve test test-serve test-serve-v2 test-serve-v1 test-train lint clean gpu-carry
 help:
 	@echo "make demo   - Pipeline RL end to end on the tiny model (vLLM server, Megatron trainer, rollouts)"
 	@echo "make demo-serve - serve the tiny model with --plugin art and show what the plugin does"
@@ -40,6 +40,12 @@ $(SERVE)/.project-ready: $(SERVE)/.base-ready pyproject.toml
 $(TRAIN)/.project-ready: $(TRAIN)/.base-ready pyproject.toml
 	@echo "[train] install art-pipeline (editable) with extras megatron,dev"
 	$(TRAIN)/bin/python -m pip install -q -e ".[megatron,dev]"
+	touch $@
+
+# Tests only: Triton unpacked beside the serving environment, for Model Runner V2 under
+# Triton's interpreter (tests/support/model_runner.py); never part of what users install.
+$(SERVE)/.triton-ready: $(SERVE)/.base-ready scripts/setup_triton_interpreter.sh
+	bash scripts/setup_triton_interpreter.sh
 	touch $@
 
 serve-env: $(SERVE)/.project-ready
@@ -84,8 +90,17 @@ else
 	$(MAKE) --no-print-directory test-serve || rc=1; \
 	exit $$rc
 endif
-test-serve: serve-env $(TINY)/.ready
-	$(SERVE)/bin/python -m pytest tests/art_vllm_plugin tests/cross_env -m "not train"
+# The serve side: every test on Model Runner V2 (what GPUs run), then the V1 subset (what
+# the CPU build and vLLM's fallback run; tests marked runner_v1). Both always run.
+test-serve:
+	@rc=0; \
+	$(MAKE) --no-print-directory test-serve-v2 || rc=1; \
+	$(MAKE) --no-print-directory test-serve-v1 || rc=1; \
+	exit $$rc
+test-serve-v2: serve-env $(SERVE)/.triton-ready $(TINY)/.ready
+	ART_TEST_MODEL_RUNNER=v2 $(SERVE)/bin/python -m pytest tests/art_vllm_plugin tests/cross_env -m "not train"
+test-serve-v1: serve-env $(TINY)/.ready
+	ART_TEST_MODEL_RUNNER=v1 $(SERVE)/bin/python -m pytest tests/art_vllm_plugin tests/cross_env -m "runner_v1 and not train"
 test-train: train-env
 	$(TRAIN)/bin/python -m pytest tests/art_protocol tests/art_megatron_ext tests/hybridep tests/train_env
 

@@ -28,6 +28,8 @@ class ServerFacts:
     #: How routes are captured: "native" (vLLM MRV2), "worker" (the plugin's CPU worker hook),
     #: or None when the server was started without --art-routes.
     routes_capture: str | None = None
+    #: vLLM's model runner in the workers: "v2" (Model Runner V2, the GPU default) or "v1".
+    model_runner: str | None = None
 
 
 @dataclass(frozen=True)

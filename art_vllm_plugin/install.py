@@ -65,6 +65,7 @@ def install_engine_core() -> None:
         cache_salting,
         core_pinning,
         lease_versions,
+        route_rows,
         slot_updates,
     )
 
@@ -81,6 +82,10 @@ def install_engine_core() -> None:
     compat.wrap(P.BUSY_LOOP, core_pinning.layout_before_busy_loop)
     compat.wrap(P.DP_BUSY_LOOP, core_pinning.layout_before_busy_loop)
     compat.add(P.CPU_LAYOUT_UTILITY, core_pinning.art_cpu_layout)
+    # --art-routes: rows of the MoE layers only, whichever runner captured them.
+    compat.wrap(P.ROUTE_LAYERS_BUSY_LOOP, route_rows.layers_before_busy_loop)
+    compat.wrap(P.ROUTE_LAYERS_DP_BUSY_LOOP, route_rows.layers_before_busy_loop)
+    compat.wrap(P.ROUTE_ROWS_ON_OUTPUTS, route_rows.cut_rows_on_outputs)
 
 
 def install_engine_scheduler(core) -> None:
@@ -102,9 +107,10 @@ def install_worker() -> None:
     """Workers: slot updates (stage, swap, roll back), the committed-model loader, and on the
     CPU platform MoE LoRA and (`--art-routes`) route capture in the V1 runner."""
     from art_vllm_plugin.routes import config as routes_config
-    from art_vllm_plugin.worker import lora_slot_writer
+    from art_vllm_plugin.worker import lora_slot_writer, route_layers
 
     compat.add_all(P.WORKER_UTILITIES, lora_slot_writer)
+    compat.add_all(P.WORKER_ROUTE_LAYER_IDS, route_layers)
     compat.wrap(P.LOAD_COMMITTED_ADAPTER, lora_slot_writer.load_committed_adapter)
     if routes_config.selected() and compat.is_cpu_platform():
         from art_vllm_plugin.worker import route_capture

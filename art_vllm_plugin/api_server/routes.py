@@ -30,6 +30,7 @@ async def capabilities(request: Request) -> dict:
         "api_server": {"pid": os.getpid(), "plugin_active": install.is_active()},
         "vllm_version": compat.vllm_version(),
         "supported_vllm": compat.SUPPORTED_RANGE_TEXT,
+        "model_runner": getattr(facts, "model_runner", None),
         "features": features.snapshot(facts),
         "enabled_features": features.enabled_names(facts),
     }

@@ -13,7 +13,7 @@ them are declared and reached here, and nowhere else:
   marker for all; anything undeclared is refused); `attach_state` hangs the plugin's state
   on a vLLM object. Which patches each process role applies, in which order:
   `art_vllm_plugin/install.py`.
-- `platform`, `api_server`, `engine_core`, `worker`: accessors, by the process role that
+- `platform`, `api_server`, `engine_core`, `worker`, `routes`: accessors, by the process role that
   uses them; re-exported here, so callers write `compat.engine_scheduler(core)`.
 """
 
@@ -77,6 +77,16 @@ from art_vllm_plugin.compat.platform import (
     num_experts,
     routes_use_worker_path,
 )
+from art_vllm_plugin.compat.routes import (
+    engine_collective_rpc,
+    engine_vllm_config,
+    moe_layer_ids,
+    output_routed_experts,
+    routes_enabled,
+    set_output_routed_experts,
+    total_layers,
+    worker_model,
+)
 from art_vllm_plugin.compat.versions import (
     SUPPORTED_RANGE_TEXT,
     SUPPORTED_VLLM,
@@ -135,12 +145,14 @@ __all__ = [
     "current_vllm_config_or_none",
     "dp_load_balancing_mode",
     "engine_batch_queue_size",
+    "engine_collective_rpc",
     "engine_core_class",
     "engine_dead_error_class",
     "engine_executor",
     "engine_inflight_batches",
     "engine_scheduler",
     "engine_targets",
+    "engine_vllm_config",
     "engine_weight_label",
     "error_response",
     "freeze_running_requests",
@@ -155,10 +167,12 @@ __all__ = [
     "lora_slot_index",
     "max_lora_rank",
     "module_lora_weights",
+    "moe_layer_ids",
     "names",
     "next_lora_int_id",
     "num_experts",
     "original_of",
+    "output_routed_experts",
     "pack_adapter",
     "patches",
     "pin_lora_in_cpu_cache",
@@ -168,6 +182,7 @@ __all__ = [
     "replace_lora_path",
     "replace_registered_adapter",
     "require_supported_vllm",
+    "routes_enabled",
     "routes_use_worker_path",
     "runner_batch",
     "runner_kv_layout",
@@ -177,12 +192,15 @@ __all__ = [
     "serving_models_of",
     "set_aux_output",
     "set_engine_weight_label",
+    "set_output_routed_experts",
     "set_output_weight_label",
     "stat_logger_base",
+    "total_layers",
     "vllm_version",
     "waiting_requests",
     "weight_version_spans_so_far",
     "worker_lora_manager",
+    "worker_model",
     "worker_model_runner",
     "worker_pids",
     "worker_rank",

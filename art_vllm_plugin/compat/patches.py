@@ -255,5 +255,32 @@ CHAT_RESPONSE_ROUTES = VllmPatch(
     why="/art/v1/chat/completions takes the routed experts off the outputs for its bundle",
 )
 
+# -- route rows: the MoE layers only, on every runner (engine_core/route_rows.py) ----------
+ROUTE_LAYERS_BUSY_LOOP = VllmPatch(
+    _ENGINE,
+    "EngineCoreProc.run_busy_loop",
+    by="engine_core.route_rows.layers_before_busy_loop",
+    why="--art-routes: asks the workers for the MoE layer ids once, before the first step",
+)
+ROUTE_LAYERS_DP_BUSY_LOOP = VllmPatch(
+    _ENGINE,
+    "DPEngineCoreProc.run_busy_loop",
+    by="engine_core.route_rows.layers_before_busy_loop",
+    why="the same for data-parallel engines (which define their own busy loop)",
+)
+ROUTE_ROWS_ON_OUTPUTS = VllmPatch(
+    _ENGINE,
+    "EngineCore._attach_weight_version",
+    by="engine_core.route_rows.cut_rows_on_outputs",
+    why="native capture (MRV2) rows cover every layer: cut to the MoE layers in the engine",
+)
+WORKER_ROUTE_LAYER_IDS = adds(
+    "vllm.v1.worker.worker_base",
+    "WorkerBase",
+    ("art_route_layer_ids",),
+    by="worker.route_layers",
+    why="collective_rpc target: the model's MoE layer ids, from the loaded model",
+)
+
 #: Every declared patch; `compat.wrap`/`add`/`wrap_instance` refuse any other.
 ALL: tuple[VllmPatch, ...] = collect(dict(globals()), VllmPatch)

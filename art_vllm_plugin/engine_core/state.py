@@ -97,6 +97,10 @@ class EngineCoreState:
     #: CPUs EngineCore was confined to (`core_pinning`), None when left alone.
     cpu_layout: list[int] | None = None
     cpu_layout_applied: bool = False
+    #: `--art-routes`: the MoE layer ids a route row holds (`route_rows`), and how many
+    #: layers vLLM's native capture has a slot for; None until the busy loop starts.
+    route_layers: list[int] | None = None
+    route_total_layers: int = 0
 
 
 def engine_state(core) -> EngineCoreState:

@@ -9,6 +9,8 @@ option on and, where the V1 runner serves (the CPU build), lets the plugin's wor
 (`art_vllm_plugin.worker.route_capture`) fill the same output field. vLLM's own config check
 refuses AuxOutput without MRV2; on the CPU platform with `--art-routes` we replace that one
 check by the preconditions our worker path really has, each refused with its own message.
+On Model Runner V2 (native capture) vLLM's own check runs, after ours for the model: a dense
+model is refused on both runners.
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ def max_body_bytes() -> int:
     return value
 
 
-def worker_path_problems(vllm_config) -> list[str]:
-    """Why the plugin's worker capture cannot serve this configuration (empty: it can)."""
+def model_problems(vllm_config) -> list[str]:
+    """Why `--art-routes` cannot serve this model on any runner (empty: it can).
+
+    vLLM's native capture (Model Runner V2) accepts a dense model and returns rows of
+    nothing; a route request there would look served. Refused at start instead."""
     problems = []
     model = vllm_config.model_config
     if model.runner_type != "generate":
@@ -50,6 +55,12 @@ def worker_path_problems(vllm_config) -> list[str]:
             f"a mixture-of-experts model ({model.model!r} has no routed experts: "
             f"architectures {getattr(model.hf_config, 'architectures', None)})"
         )
+    return problems
+
+
+def worker_path_problems(vllm_config) -> list[str]:
+    """Why the plugin's worker capture cannot serve this configuration (empty: it can)."""
+    problems = model_problems(vllm_config)
     if vllm_config.speculative_config is not None:
         problems.append("no speculative decoding (rejected draft rows are not handled)")
     parallel = vllm_config.parallel_config
@@ -71,7 +82,10 @@ def worker_path_check(use_worker_path):
 
     def make(original):
         def verify(self) -> None:
-            if self.aux_output_config.enabled and selected() and use_worker_path(self):
+            if not (self.aux_output_config.enabled and selected()):
+                original(self)
+                return
+            if use_worker_path(self):
                 problems = worker_path_problems(self)
                 if problems:
                     raise ValueError(
@@ -79,6 +93,12 @@ def worker_path_check(use_worker_path):
                         + "; ".join(problems)
                     )
                 return
+            problems = model_problems(self)
+            if problems:
+                raise ValueError(
+                    "--art-routes (vLLM's routed-experts capture, Model Runner V2) needs "
+                    + "; ".join(problems)
+                )
             original(self)
 
         return verify

@@ -14,6 +14,7 @@ import pytest
 from art_vllm_plugin import serve_process
 from art_vllm_plugin.engine_core.core_pinning import CpuLayoutConfig, plan
 from art_vllm_plugin.version import __version__
+from support import model_runner
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,13 @@ def test_capabilities_route_answers(art_server):
     assert body["vllm_version"].startswith("0.32.")
     assert "capabilities" in body["enabled_features"]
     assert body["features"]["capabilities"]["enabled"] is True
+
+
+def test_server_runs_the_model_runner_the_suite_selected(art_server):
+    """The serve suite tests the runner users get: Model Runner V2 unless the V1 subset runs
+    (tests/support/model_runner.py); a server that fell back silently would fail here."""
+    body = httpx.get(art_server.url + "/art/v1/capabilities", timeout=30).json()
+    assert body["model_runner"] == model_runner.selected()
 
 
 def test_plugin_is_active_in_api_server_engine_core_and_worker(art_server):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from art_vllm_plugin import serve_process
+from support import model_runner
 
 pytestmark = pytest.mark.serve
 
@@ -18,6 +19,10 @@ def test_dense_model_with_art_routes_refuses_to_start(tiny_model, server_log):
     )
     with pytest.raises(serve_process.ServerStartError) as refused:
         serve_process.start(config)
-    assert "--art-routes (route capture in the CPU worker) needs a mixture-of-experts model" in (
+    capture = {
+        "v2": "vLLM's routed-experts capture, Model Runner V2",
+        "v1": "route capture in the CPU worker",
+    }[model_runner.selected()]
+    assert f"--art-routes ({capture}) needs a mixture-of-experts model" in (
         str(refused.value) + server_log.read_text(errors="replace")
     )
