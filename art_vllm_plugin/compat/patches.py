@@ -255,6 +255,13 @@ CHAT_RESPONSE_ROUTES = VllmPatch(
     why="/art/v1/chat/completions takes the routed experts off the outputs for its bundle",
 )
 
+EXECUTOR_GUARD = VllmPatch(
+    "vllm.engine.arg_utils",
+    "EngineArgs.create_engine_config",
+    by="executor_guard.refuse_untested_executor",
+    why="refuses executors whose RPC/forward ordering the labels are not proven on (Ray)",
+)
+
 # -- route rows: the MoE layers only, on every runner (engine_core/route_rows.py) ----------
 ROUTE_LAYERS_BUSY_LOOP = VllmPatch(
     _ENGINE,
