@@ -14,11 +14,16 @@ Runs in `.venv-serve` on the tiny model (`make tiny` first):
    `load_inplace: true` (the baseline a user has without the plugin): ratio of throughputs;
 5. throughput with the plugin selected against stock vLLM without it, no updates (goal >= 0.98).
 
-One server at a time (the host rule on shared machines): the plugin server runs its phases,
-then the stock server runs its own; ratios across the two servers therefore compare periods
-minutes apart, which is noisier than the interleaved plugin-only ratio.
+The plugin and stock servers are up together and their phases alternate within each round
+(plugin idle, stock idle, plugin with updates, stock with updates), so every ratio compares
+periods seconds apart on the same host, not the host's load minutes apart.
 
-Usage: .venv-serve/bin/python bench/inflight_update.py [--seconds 8] [--rounds 3] [--updates 100]
+`--runner v2` (default) serves on Model Runner V2, what GPUs run; on this CPU build that is
+Triton's interpreter (tests/support/model_runner.py; `make test-serve-v2` sets it up), whose
+kernels dominate the step time. `--runner v1` serves on the V1 runner the CPU build uses.
+
+Usage: .venv-serve/bin/python bench/inflight_update.py [--runner v2|v1] [--seconds 8]
+       [--rounds 3] [--updates 100]
 Table values are medians over the rounds.
 """
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -182,21 +188,37 @@ async def latency(url: str, n: int, start_version: int):
     return http_ms, engine_ms
 
 
-def config(plugin: bool, start: Path | None = None, rank: int = 8) -> serve_process.ServeConfig:
+def runner_env(runner: str) -> dict[str, str]:
+    """The servers' environment for `runner` (the serve suite's own set-up)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from support.model_runner import server_env
+
+    return server_env(runner)
+
+
+def config(
+    plugin: bool, runner: str, start: Path | None = None, rank: int = 8
+) -> serve_process.ServeConfig:
     start = start or TINY / "adapters" / "a"
     args = list(serve_process.tiny_lora_args())
     args[args.index("--max-lora-rank") + 1] = str(rank)
+    env = runner_env(runner)
+    if not plugin:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    name = f"{'art' if plugin else 'stock'}-{runner}-r{rank}"
     return serve_process.ServeConfig(
         model=str(TINY / "model"),
         args=(*args, "--lora-modules", f"policy={start.resolve()}"),
         plugin=plugin,
-        env={} if plugin else {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
-        log_path=Path(f".cache/logs/bench-inflight-{'art' if plugin else 'stock'}-r{rank}.log"),
+        env=env,
+        log_path=Path(f".cache/logs/bench-inflight-{name}.log"),
+        startup_timeout_s=900,
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runner", choices=("v2", "v1"), default="v2")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--updates", type=int, default=100)
@@ -211,38 +233,37 @@ def main() -> None:
     stall = {}
     seen = {"art_idle": [], "art_upd": [], "stock_idle": [], "stock_upd": []}
     n_art = n_stock = 0
-    print("[bench] plugin server, r=8: stall, latency, throughput rounds")
-    with serve_process.serving(config(plugin=True)) as art:
+    print(f"[bench] runner {args.runner}: plugin and stock servers, r=8")
+    with (
+        serve_process.serving(config(True, args.runner)) as art,
+        serve_process.serving(config(False, args.runner)) as stock,
+    ):
         run(load(art.url, 3, args.clients, None, None))  # warm-up
+        run(load(stock.url, 3, args.clients, None, None))
         stall["r8"] = run(
             stall_under_load(art.url, adapters(), args.stall_updates, args.clients, 1)
         )
         http_ms, engine_ms = run(latency(art.url, args.updates, 1000))
         version = 10_000
         for r in range(args.rounds):
-            print(f"[bench] round {r + 1}/{args.rounds}: plugin, idle and with updates")
+            print(f"[bench] round {r + 1}/{args.rounds}: plugin and stock alternate")
             seen["art_idle"].append(run(load(art.url, args.seconds, args.clients, None, None))[0])
+            seen["stock_idle"].append(
+                run(load(stock.url, args.seconds, args.clients, None, None))[0]
+            )
             tps, n = run(
                 load(art.url, args.seconds, args.clients, args.every, plugin_updater(version))
             )
             seen["art_upd"].append(tps)
             n_art += n
             version += 1000
-    print(f"[bench] plugin server, r={LARGE_RANK}: stall")
-    with serve_process.serving(config(plugin=True, start=big[0], rank=LARGE_RANK)) as art:
-        run(load(art.url, 3, args.clients, None, None))
-        stall["big"] = run(stall_under_load(art.url, big, args.stall_updates, args.clients, 1))
-    print("[bench] stock server: throughput rounds")
-    with serve_process.serving(config(plugin=False)) as stock:
-        run(load(stock.url, 3, args.clients, None, None))
-        for r in range(args.rounds):
-            print(f"[bench] round {r + 1}/{args.rounds}: stock, idle and with load_inplace")
-            seen["stock_idle"].append(
-                run(load(stock.url, args.seconds, args.clients, None, None))[0]
-            )
             tps, n = run(load(stock.url, args.seconds, args.clients, args.every, stock_updater))
             seen["stock_upd"].append(tps)
             n_stock += n
+    print(f"[bench] plugin server, r={LARGE_RANK}: stall")
+    with serve_process.serving(config(True, args.runner, start=big[0], rank=LARGE_RANK)) as art:
+        run(load(art.url, 3, args.clients, None, None))
+        stall["big"] = run(stall_under_load(art.url, big, args.stall_updates, args.clients, 1))
     art_idle, art_upd, stock_idle, stock_upd = (
         statistics.median(seen[k]) for k in ("art_idle", "art_upd", "stock_idle", "stock_upd")
     )
@@ -287,6 +308,7 @@ def main() -> None:
             f"ratio {art_idle / stock_idle:.3f} (goal >= 0.98)",
         ),
     ]
+    print(f"\nmodel runner: {args.runner}")
     print("\n| measure | value | ratio |\n| --- | --- | --- |")
     for row in rows:
         print("| " + " | ".join(row) + " |")
