@@ -90,8 +90,15 @@ else
 	$(MAKE) --no-print-directory test-serve || rc=1; \
 	exit $$rc
 endif
-# The serve side: every test on Model Runner V2 (what GPUs run), then the V1 subset (what
-# the CPU build and vLLM's fallback run; tests marked runner_v1). Both always run.
+# The serve side: every test on Model Runner V2 (what GPUs run; under Triton's interpreter
+# here, tests/support/model_runner.py), then the V1 subset on the V1 runner (what the CPU build
+# and vLLM's fallback run): in-flight updates and spans, the worker-path route capture checked
+# against HF, the in-process async-scheduling provenance, the runner report. Both always run.
+SERVE_V1_SUBSET := tests/art_vllm_plugin/test_inflight_update.py \
+	tests/art_vllm_plugin/api_server/test_capabilities.py \
+	tests/art_vllm_plugin/engine_core/test_async_provenance.py \
+	tests/art_vllm_plugin/routes/test_route_serving.py \
+	tests/art_vllm_plugin/routes/test_route_refusals.py
 test-serve:
 	@rc=0; \
 	$(MAKE) --no-print-directory test-serve-v2 || rc=1; \
@@ -100,7 +107,7 @@ test-serve:
 test-serve-v2: serve-env $(SERVE)/.triton-ready $(TINY)/.ready
 	ART_TEST_MODEL_RUNNER=v2 $(SERVE)/bin/python -m pytest tests/art_vllm_plugin tests/cross_env -m "not train"
 test-serve-v1: serve-env $(TINY)/.ready
-	ART_TEST_MODEL_RUNNER=v1 $(SERVE)/bin/python -m pytest tests/art_vllm_plugin tests/cross_env -m "runner_v1 and not train"
+	ART_TEST_MODEL_RUNNER=v1 $(SERVE)/bin/python -m pytest $(SERVE_V1_SUBSET) -m "not train"
 test-train: train-env
 	$(TRAIN)/bin/python -m pytest tests/art_protocol tests/art_megatron_ext tests/hybridep tests/train_env
 

@@ -5,11 +5,12 @@ users get; the CPU build falls back to the V1 runner only because it has no Trit
 runs under Triton's interpreter (`TRITON_INTERPRET=1`) with a test-only `cpu` backend
 registration (`tests/support/triton_cpu/`), both put on the servers' `sys.path` through
 `ART_TEST_TRITON_PATHS` (`scripts/setup_triton_interpreter.sh`). `ART_TEST_MODEL_RUNNER=v1`
-runs the named V1 subset instead (`make test-serve-v1`): what CPU users get, and what vLLM falls
+runs the servers on the V1 runner; `make test-serve-v1` runs the named V1 subset that way
+(`SERVE_V1_SUBSET` in the Makefile): what CPU users get, and what vLLM falls
 back to where MRV2 lacks a feature.
 
-The variables go into this pytest process's environment at start, so every server a test
-starts inherits them (`serve_process.start`, the example loop's server, restarts). Only the
+The variables go into this pytest process's environment (and the Triton paths onto its
+`sys.path`) at start, so every server a test starts inherits them (`serve_process.start`, the example loop's server, restarts). Only the
 serve side sets them (vLLM importable); the train suite never sees them.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,7 +63,13 @@ def pytest_configure(config):
             f"`bash scripts/setup_triton_interpreter.sh` (make test-serve does), or set "
             f"{RUNNER_ENV}=v1"
         )
-    os.environ.update(server_env(runner))
+    env = server_env(runner)
+    os.environ.update(env)
+    # vLLM objects built inside this process (an in-process EngineCore) see the same runner:
+    # what the `.pth` hook does for a new process, done here for this one.
+    for path in reversed(env.get("ART_TEST_TRITON_PATHS", "").split(os.pathsep)):
+        if path and path not in sys.path:
+            sys.path.insert(0, path)
 
 
 def pytest_report_header(config):
