@@ -65,8 +65,10 @@ def install_engine_core() -> None:
     """EngineCore: utility calls, cache salting, batch labels, CPU layout."""
     from art_vllm_plugin.engine_core import (
         batch_stamps,
+        blocked_slots,
         cache_salting,
         core_pinning,
+        figures_push,
         lease_versions,
         route_rows,
         slot_updates,
@@ -80,6 +82,7 @@ def install_engine_core() -> None:
     compat.wrap(
         P.ENGINE_STAMP_SCHEDULER, batch_stamps.before_first_request(install_engine_scheduler)
     )
+    compat.wrap(P.ENGINE_REFUSE_BLOCKED_SLOT, blocked_slots.refuse_requests_of_blocked_slots)
     compat.wrap(P.ENGINE_ATTACH_WEIGHT_VERSION, batch_stamps.attach_batch_label)
     # Each busy loop class defines its own `run_busy_loop`; DP engines inherit the utility.
     compat.wrap(P.BUSY_LOOP, core_pinning.layout_before_busy_loop)
@@ -89,6 +92,13 @@ def install_engine_core() -> None:
     compat.wrap(P.ROUTE_LAYERS_BUSY_LOOP, route_rows.layers_before_busy_loop)
     compat.wrap(P.ROUTE_LAYERS_DP_BUSY_LOOP, route_rows.layers_before_busy_loop)
     compat.wrap(P.ROUTE_ROWS_ON_OUTPUTS, route_rows.cut_rows_on_outputs)
+    # The cache salt is set once, where vLLM builds the Request (input thread); `add_request`
+    # above only checks that no update committed since.
+    compat.wrap(P.ENGINE_SALT_ON_PREPROCESS, cache_salting.salt_on_preprocess)
+    # /art/metrics with several API servers: each engine pushes its figures to all of them.
+    compat.add_all(P.FIGURES_UTILITIES, figures_push)
+    compat.wrap(P.ENGINE_FIGURES_ON_OUTPUTS, figures_push.figures_on_outputs)
+    compat.wrap(P.ENGINE_FIGURES_REGISTRY_PUSH, figures_push.push_registry_changes)
 
 
 def install_engine_scheduler(core) -> None:
@@ -110,10 +120,13 @@ def install_worker() -> None:
     """Workers: slot updates (stage, swap, roll back), the committed-model loader, and on the
     CPU platform MoE LoRA and (`--art-routes`) route capture in the V1 runner."""
     from art_vllm_plugin.routes import config as routes_config
-    from art_vllm_plugin.worker import lora_slot_writer, route_layers
+    from art_vllm_plugin.worker import forward_labels, lora_slot_writer, route_layers
 
     compat.add_all(P.WORKER_UTILITIES, lora_slot_writer)
     compat.add_all(P.WORKER_ROUTE_LAYER_IDS, route_layers)
+    # Each step's output carries the label of the weights its forward ran with.
+    compat.wrap(P.WORKER_FORWARD_LABEL, forward_labels.label_forwards)
+    compat.wrap(P.WORKER_SAMPLED_LABEL, forward_labels.label_sampled)
     compat.wrap(P.LOAD_COMMITTED_ADAPTER, lora_slot_writer.load_committed_adapter)
     if routes_config.selected() and compat.is_cpu_platform():
         from art_vllm_plugin.worker import route_capture
@@ -159,3 +172,13 @@ def install_api_server() -> None:
     compat.wrap(P.CHAT_ALIAS_REFRESH, alias_requests.refresh_before_alias)
     compat.wrap(P.COMPLETION_RESPONSE_ROUTES, route_completions.take_routes_from_completion)
     compat.wrap(P.CHAT_RESPONSE_ROUTES, route_completions.take_routes_from_chat)
+    # Spans on every answer: beam-search beams get the labels of their step requests; prompt
+    # logprobs that would end the engine (CPU LoRA kernels) are refused outermost, first.
+    from art_vllm_plugin.api_server import beam_search_spans, request_refusals
+
+    compat.wrap(P.BEAM_SEARCH_STEP_LABELS, beam_search_spans.record_step_labels)
+    compat.wrap(P.BEAM_SEARCH_SPANS, beam_search_spans.spans_on_beams)
+    compat.wrap(
+        P.COMPLETION_PROMPT_LOGPROBS_GUARD, request_refusals.refuse_completion_prompt_logprobs
+    )
+    compat.wrap(P.CHAT_PROMPT_LOGPROBS_GUARD, request_refusals.refuse_chat_prompt_logprobs)

@@ -10,14 +10,17 @@ recognised by the replica instead of applied twice.
 Rules (docs/scale-out.md, "Several servers: the fleet"):
 - `publish(slot, path, version)` posts the update to every replica concurrently (one thread
   each), retries connection errors, timeouts and 5xx with backoff up to the deadline
-  (`RetryPolicy`), never retries a 4xx. A 409 is checked against the replica's
-  `/art/v1/slots`: a replica already at that version (same digest when both are known) counts
-  as `already_applied`; otherwise it is a refusal.
+  (`RetryPolicy`), never retries a 4xx. Every publish carries the adapter's digest: the one
+  given, else `art_protocol.digest.digest_dir` of `path` read here (a path this process cannot
+  read needs `digest=`). A 409 is checked against the replica's `/art/v1/slots`: a replica
+  already at that version *with that digest* counts as `already_applied`; one reporting another
+  digest, or none (it cannot show what it holds), is a refusal.
 - The fleet's target for a slot moves when at least one replica applied the version. A replica
   is quarantined (left out of `healthy()`) when it does not serve the target after a publish,
-  when a call to it failed for connection/5xx reasons, or when `slots()` sees it behind.
-  Quarantine ends when a later `publish` or `reconcile()` leaves it on every target, checked
-  on its own `/art/v1/slots`.
+  when a call to it failed for connection/5xx reasons, or when `slots()` sees it behind (a
+  version or a digest other than the target's, or no digest). Quarantine ends when a later
+  `publish` or `reconcile()` leaves it on every target (version and digest), checked on its
+  own `/art/v1/slots`.
 - `reconcile()` re-publishes each slot's target (path, version, digest) to every replica
   that is not on it, e.g. one that restarted at version 0.
 - One publisher per fleet: `publish`, `reconcile` and `slots` run one at a time; `healthy()`
@@ -44,6 +47,7 @@ from art_protocol.client.fleet_types import (
     RetryPolicy,
     SlotView,
 )
+from art_protocol.digest import digest_dir
 from art_protocol.updates import UpdateRequest
 
 UPDATE_ROUTE = "/art/v1/lora/update"
@@ -52,6 +56,25 @@ SLOTS_ROUTE = "/art/v1/slots"
 
 class _Unreachable(Exception):
     """`GET /art/v1/slots` got no usable answer."""
+
+
+def _published_digest(slot: str, path: str, version: int, digest: str | None) -> str | None:
+    """The digest a publish carries: `digest`, else that of the adapter at `path` read here."""
+    if digest is not None:
+        return digest
+    try:
+        return digest_dir(path)
+    except OSError as exc:
+        raise ValueError(
+            f"publish of {slot}@{version}: no digest given and the adapter at {path!r} is not "
+            f"readable here ({exc}); pass digest= (art_protocol.digest.digest_dir of the "
+            "adapter), the fleet checks every replica's content against it"
+        ) from exc
+
+
+def _same_content(have_digest: str | None, target: UpdateRequest) -> bool:
+    """A replica holds the target's bytes only if it reports the same digest (none: unknown)."""
+    return have_digest is not None and have_digest == target.digest
 
 
 def _message(resp: httpx.Response) -> str:
@@ -145,17 +168,21 @@ class Fleet:
         digest: str | None = None,
         operation_id: str | None = None,
     ) -> PublishResult:
-        """Post `{slot, path, version}` (and `digest` if given) to every replica at once.
+        """Post `{slot, path, version, digest}` to every replica at once.
 
         Returns every replica's result; raises only on bad arguments. `digest` is the
-        adapter's content digest (`art_protocol.digest.digest_dir`), checked by
-        each replica. `operation_id` defaults to a fresh id per call; pass your own (e.g.
-        derived from the training step) to make a trainer that restarts and publishes the
-        same step again idempotent: replicas that applied it answer with the first response.
+        adapter's content digest (`art_protocol.digest.digest_dir`), checked by each replica
+        and compared with what each reports; without it the fleet digests `path` itself, and
+        a path not readable here is refused (ValueError) before anything is sent.
+        `operation_id` defaults to a fresh id per call; pass your own (e.g. derived from the
+        training step) to make a trainer that restarts and publishes the same step again
+        idempotent: replicas that applied it answer with the first response.
         """
         if operation_id is None:
             operation_id = f"fleet-{uuid.uuid4().hex}"
         # Checks every field (UpdateRequestError, a ValueError) before anything is sent.
+        UpdateRequest(slot, str(path), version, operation_id, digest=digest)
+        digest = _published_digest(slot, str(path), version, digest)
         target = UpdateRequest(slot, str(path), version, operation_id, digest=digest)
         with self._op_lock:
             deadline = time.monotonic() + self.config.retry.deadline_s
@@ -201,11 +228,13 @@ class Fleet:
             self._quarantine(url, str(exc))
             return
         with self._state_lock:
-            off = {
-                s: (reported.get(s, (None, None))[0], t.version)
-                for s, t in self._targets.items()
-                if reported.get(s, (None, None))[0] != t.version
-            }
+            off = {}
+            for s, t in self._targets.items():
+                have, have_digest = reported.get(s, (None, None))
+                if have != t.version:
+                    off[s] = (have, t.version)
+                elif not _same_content(have_digest, t):
+                    off[s] = (f"{have} digest {have_digest}", f"{t.version} digest {t.digest}")
             if off:
                 self._quarantined[url] = (
                     f"{url} is not on the fleet's versions: {off} (slot: (have, want))"
@@ -288,15 +317,15 @@ class Fleet:
                 Outcome.FAILED, status=409, error=f"{url} answered 409 ({message}); then {exc}"
             )
         have, have_digest = reported.get(slot, (None, None))
-        same_content = target.digest is None or have_digest is None or have_digest == target.digest
-        if have == target.version and same_content:
+        if have == target.version and _same_content(have_digest, target):
             return result(Outcome.ALREADY_APPLIED, status=409, response={"conflict": message})
         return result(
             Outcome.REFUSED,
             status=409,
             error=(
                 f"{url} refused {slot}@{target.version}: 409 {message} (the replica reports "
-                f"version {have}, digest {have_digest})"
+                f"version {have}, digest {have_digest}; the fleet published digest "
+                f"{target.digest})"
             ),
         )
 
@@ -343,7 +372,8 @@ class Fleet:
             return self._views(survey)
 
     def _views(self, survey) -> dict[str, SlotView]:
-        targets = self.targets()
+        with self._state_lock:
+            targets = dict(self._targets)
         names = set(targets)
         for answer in survey.values():
             names.update(answer or ())
@@ -351,12 +381,19 @@ class Fleet:
         for name in sorted(names):
             versions = {u: (a or {}).get(name, (None, None))[0] for u, a in survey.items()}
             digests = {u: (a or {}).get(name, (None, None))[1] for u, a in survey.items()}
-            views[name] = SlotView(name, targets.get(name), versions, digests)
+            target = targets.get(name)
+            views[name] = SlotView(
+                name,
+                target.version if target else None,
+                versions,
+                digests,
+                target.digest if target else None,
+            )
             for url in views[name].behind:
                 self._quarantine(
                     url,
-                    f"{url} serves {name}@{versions[url]}, the fleet published "
-                    f"{name}@{targets[name]}",
+                    f"{url} serves {name}@{versions[url]} (digest {digests[url]}), the fleet "
+                    f"published {name}@{target.version} (digest {target.digest})",
                 )
         return views
 
@@ -377,8 +414,8 @@ class Fleet:
                 have = survey[url]
                 out = []
                 for slot, target in targets.items():
-                    version = None if have is None else have.get(slot, (None, None))[0]
-                    if version == target.version:
+                    version, digest = (None, None) if have is None else have.get(slot, (None, None))
+                    if version == target.version and _same_content(digest, target):
                         continue
                     # A fresh operation id: a replica off the target must apply it, not replay
                     # the answer it gave the original publish before it diverged.

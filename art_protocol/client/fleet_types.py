@@ -143,28 +143,39 @@ class SlotView:
     """One slot across the fleet: what each replica reports and what the fleet published.
 
     `versions[url]` is None when the replica did not answer or does not have the slot;
-    `target` is the last version this fleet published (None if it never published the slot).
+    `digests[url]` is None also when the replica reports no digest. `target` is the last
+    version this fleet published (None if it never published the slot), `target_digest` the
+    digest it published with it. A version names content only together with its digest: a
+    replica at the target version that reports another digest, or none, is not on the target.
     """
 
     slot: str
     target: int | None
     versions: Mapping[str, int | None]
     digests: Mapping[str, str | None] = field(default_factory=dict)
+    target_digest: str | None = None
+
+    def _on_target(self, url: str) -> bool:
+        if self.versions.get(url) != self.target:
+            return False
+        digest = self.digests.get(url)
+        return self.target_digest is None or (digest is not None and digest == self.target_digest)
 
     @property
     def agreed(self) -> bool:
-        """Every replica answered with the same version (and the target, if there is one)."""
+        """Every replica answered with the same version (and the target, with its digest, if
+        there is one)."""
         seen = set(self.versions.values())
         if None in seen or len(seen) != 1:
             return False
-        return self.target is None or seen == {self.target}
+        return self.target is None or all(self._on_target(url) for url in self.versions)
 
     @property
     def behind(self) -> list[str]:
-        """Replicas not at the target (unreachable ones included)."""
+        """Replicas not on the target (unreachable ones, another digest or none included)."""
         if self.target is None:
             return []
-        return [url for url, v in self.versions.items() if v != self.target]
+        return [url for url in self.versions if not self._on_target(url)]
 
 
 @dataclass(frozen=True)

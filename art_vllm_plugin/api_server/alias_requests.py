@@ -7,6 +7,8 @@ Two wrappers, applied by `art_vllm_plugin.install` in this order (the second out
    refuse it with 409 if that version is not served, run the request on the slot's name, and
    refuse the response (409) if any token came from another version. A streaming request
    leaves its alias for the stream generator (`stream_spans`), which ends the stream instead.
+   A request on a blocked slot (its update left its weights unknown) is answered 503 naming
+   the failed update, before it starts or when the engine ended it (`blocked_slots`).
 2. `refresh_before_alias`: an alias request first re-reads the slot registry from EngineCore
    (one utility call), so the check sees updates that went through another API server.
 
@@ -19,7 +21,7 @@ import functools
 import inspect
 from http import HTTPStatus
 
-from art_vllm_plugin.api_server import aliases
+from art_vllm_plugin.api_server import aliases, blocked_slots
 from art_vllm_plugin.api_server.state import api_server_state
 
 
@@ -37,6 +39,9 @@ def serve_exact_alias(create):
             alias = state.resolve_alias(request.model) if state is not None else None
         except aliases.AliasRefused as exc:
             return _conflict(self, exc.message)
+        slot = alias.slot if alias is not None else getattr(request, "model", None)
+        if state is not None and (why := await blocked_slots.reason(state, slot)) is not None:
+            return blocked_slots.unavailable(self, why)
         key = request.request_id
         if alias is not None:
             request.model = alias.slot
@@ -44,10 +49,22 @@ def serve_exact_alias(create):
         response = None
         try:
             response = await create(self, request, raw_request)
+        except Exception:
+            why = await blocked_slots.reason(state, slot, after_error=True) if state else None
+            if why is not None:
+                return blocked_slots.unavailable(self, why)
+            raise
         finally:
             if state is not None and not inspect.isasyncgen(response):
                 # No stream generator will claim the alias (not streaming, refused, failed).
                 state.pending_aliases.pop(key, None)
+        if state is not None and slot in state.slots.local:
+            if inspect.isasyncgen(response):
+                return blocked_slots.guard_stream(response, state, slot)
+            if blocked_slots.is_server_error(response):
+                why = await blocked_slots.reason(state, slot, after_error=True)
+                if why is not None:
+                    return blocked_slots.unavailable(self, why)
         if alias is not None and hasattr(response, "choices"):
             try:
                 aliases.check_choices(alias, response.choices)

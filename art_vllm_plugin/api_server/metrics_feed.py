@@ -1,24 +1,33 @@
-"""The in-memory metrics snapshot behind `GET /art/metrics`, fed by the stat-logger plugin.
+"""The in-memory metrics snapshot behind `GET /art/metrics`: one entry per engine, and their sum.
 
-vLLM calls the stat logger's `record()` once per engine step on the API server's event loop,
-the same thread that serves `/art/metrics`, so the feed needs no lock: `record()` does a few
-attribute writes and one deque append (O(1)), and the route reads them. The Prometheus text
-route renders every metric on every scrape; this route only formats one small JSON object.
+Where an engine's figures come from (`art_vllm_plugin/engine_figures.py`):
+- one API server: vLLM calls the stat logger's `record()` once per engine step, for every
+  engine, on the API server's event loop (the thread that serves `/art/metrics`), so the feed
+  needs no lock; `record()` adds the step to that engine's entry (O(1));
+- several API servers: vLLM gives each step's stats to one of them only, so the engines push
+  their own figures to every API server that subscribed (`engine_core/figures_push.py`);
+  `apply_row` replaces the engine's entry with what it sent, and from then on the stat
+  logger's records for that engine are ignored (they are a part of its steps only).
 
-Schema 2 (for the autotuner) adds the scheduler's limits (`max_num_seqs`,
-`max_num_batched_tokens`, set once from the engine config), `num_waiting_for_capacity`
-(requests the last step left waiting while the scheduler was at its sequence limit or its KV
-cache was at least `KV_FULL_FRACTION` used: adding load there only queues),
+An idle engine takes no steps and sends nothing: its entry is what its last step left (0
+running once it drained), and ages without being stale (`idle`).
+
+The snapshot (schema 4) has `engines: [...]`, one entry per engine (DP rank order), each with
+the engine fields below for that engine, and the same fields at the top level for the
+deployment: counts and limits summed over the engines (`num_running`, `max_num_seqs`, ...,
+`generation_tokens_per_s`), `kv_cache_usage` their mean, `prefix_cache_hit_rate` hits over
+queries of all, `idle` when every engine is, `snapshot_time` the newest engine report.
+
+Schema history: 2 added the scheduler's limits, `num_waiting_for_capacity` (requests the last
+step left waiting while the scheduler was at its sequence limit or its KV cache was at least
+`engine_figures.KV_FULL_FRACTION` used: adding load there only queues),
 `num_waiting_deferred` (waiting on something other than capacity, e.g. a remote KV transfer),
-`preemptions_total` and `idle` (the last step left nothing running or waiting: an idle engine
-reports no steps, so its snapshot ages without being stale).
-
-Schema 3 adds each slot's `digest` (`art_protocol.digest` of the adapter it serves;
-version 0: the start adapter) and takes the slot fields (version, digest, updates,
-failed_updates, last_update_ms) from EngineCore's slot registry, so every API server of a
-deployment reports the same ones; `failed_updates_total` still adds this API server's own
-refusals of requests that named no known slot. The engine fields (steps, queues, tokens) are
-this API server's view (vLLM's stat logger of this process).
+`preemptions_total` and `idle`.
+3 added each slot's `digest` and took the slot fields (version, digest, updates,
+failed_updates, last_update_ms) from EngineCore's slot registry, so every API server reports
+the same ones; `failed_updates_total` still adds this API server's own refusals of requests
+that named no known slot. 4 added `engines` and made the top-level engine fields the
+deployment's (before, with several engines, they were whichever engine reported last).
 
 The Prometheus gauge `art:slot_version{slot}` (on vLLM's `/metrics`) is made here too.
 """
@@ -29,57 +38,44 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 3
+from art_vllm_plugin.compat import figures as vllm_figures
+from art_vllm_plugin.engine_figures import EngineFigures
+
+SCHEMA_VERSION = 4
 TOKENS_WINDOW_S = 10.0
-KV_FULL_FRACTION = 0.95
 
 
 @dataclass
-class MetricsFeed:
-    started_at: float = field(default_factory=time.time)
-    last_record_time: float | None = None
-    engine_steps: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_deferred: int = 0
-    num_waiting_for_capacity: int = 0
-    preemptions: int = 0
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    kv_cache_usage: float = 0.0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    generation_tokens: int = 0
-    # (time, generation tokens in that step), trimmed to the window when read
+class EngineFeed:
+    """One engine's figures as this API server knows them, and its recent token counts."""
+
+    figures: EngineFigures
+    #: The engine pushes its figures here (several API servers): records are ignored.
+    pushed: bool = False
+    #: (time received, generation tokens since the previous report), trimmed when read
     window: deque = field(default_factory=lambda: deque(maxlen=65536))
 
-    def set_limits(self, max_num_seqs: int | None, max_num_batched_tokens: int | None) -> None:
-        """The scheduler's limits, from the engine config (once, at stat-logger creation)."""
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-
-    def record(self, scheduler_stats, iteration_stats) -> None:
-        now = time.time()
-        self.last_record_time = now
+    def record(self, now: float, scheduler_stats, iteration_stats) -> None:
+        if self.pushed:
+            return
+        f = self.figures
         if scheduler_stats is not None:
-            self.engine_steps += 1
-            self.num_running = scheduler_stats.num_running_reqs
-            self.num_waiting = scheduler_stats.num_waiting_reqs
-            self.num_waiting_deferred = scheduler_stats.num_skipped_waiting_reqs
-            self.kv_cache_usage = scheduler_stats.kv_cache_usage
-            full = self.kv_cache_usage >= KV_FULL_FRACTION or (
-                self.max_num_seqs is not None and self.num_running >= self.max_num_seqs
-            )
-            self.num_waiting_for_capacity = self.num_waiting if full else 0
-            prefix = scheduler_stats.prefix_cache_stats
-            if prefix is not None:
-                self.prefix_queries += prefix.queries
-                self.prefix_hits += prefix.hits
+            f.add_step(now, *vllm_figures.scheduler_stats_values(scheduler_stats))
         if iteration_stats is not None:
-            self.preemptions += iteration_stats.num_preempted_reqs
-        if iteration_stats is not None and iteration_stats.num_generation_tokens:
-            self.generation_tokens += iteration_stats.num_generation_tokens
-            self.window.append((now, iteration_stats.num_generation_tokens))
+            tokens, preempted = vllm_figures.iteration_stats_values(iteration_stats)
+            f.preemptions += preempted
+            if tokens:
+                f.generation_tokens += tokens
+                self.window.append((now, tokens))
+
+    def apply(self, now: float, figures: EngineFigures) -> None:
+        """The engine's own figures (a push): they replace what was recorded (the first one
+        also the recorded tokens: a part of the engine's steps only)."""
+        if not self.pushed:
+            self.window.clear()
+        elif (tokens := figures.generation_tokens - self.figures.generation_tokens) > 0:
+            self.window.append((now, tokens))
+        self.figures, self.pushed = figures, True
 
     def tokens_per_s(self, now: float) -> float:
         cutoff = now - TOKENS_WINDOW_S
@@ -87,30 +83,117 @@ class MetricsFeed:
             self.window.popleft()
         return sum(n for _, n in self.window) / TOKENS_WINDOW_S
 
+
+def _engine_fields(f: EngineFigures, snap_time: float, now: float, limits, per_s: float) -> dict:
+    max_num_seqs, max_num_batched_tokens = limits
+    return {
+        "snapshot_time": snap_time,
+        "age_s": max(0.0, now - snap_time),
+        "engine_step": f.steps,
+        "num_running": f.num_running,
+        "num_waiting": f.num_waiting,
+        "num_waiting_for_capacity": f.waiting_for_capacity(max_num_seqs),
+        "num_waiting_deferred": f.num_waiting_deferred,
+        "idle": f.idle,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "preemptions_total": f.preemptions,
+        "kv_cache_usage": f.kv_cache_usage,
+        "prefix_cache_hit_rate": f.prefix_hits / f.prefix_queries if f.prefix_queries else 0.0,
+        "generation_tokens_total": f.generation_tokens,
+        "generation_tokens_per_s": per_s,
+    }
+
+
+def _times(limit: int | None, engines: int) -> int | None:
+    return limit * engines if limit is not None else None
+
+
+@dataclass
+class MetricsFeed:
+    started_at: float = field(default_factory=time.time)
+    #: DP rank -> its feed (every engine this API server manages, from the stat logger's
+    #: creation; an engine that pushes before that is added then)
+    engines: dict[int, EngineFeed] = field(default_factory=dict)
+    #: One engine's scheduler limits (engine config; the same for every engine).
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+
+    def engine(self, index: int) -> EngineFeed:
+        feed = self.engines.get(index)
+        if feed is None:
+            feed = self.engines[index] = EngineFeed(EngineFigures(index))
+        return feed
+
+    def set_limits(self, max_num_seqs: int | None, max_num_batched_tokens: int | None) -> None:
+        """The scheduler's limits, from the engine config (once, at stat-logger creation)."""
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def record(self, engine: int, scheduler_stats, iteration_stats) -> None:
+        """One step of `engine`, as vLLM's stat logger hands it to this API server."""
+        self.engine(engine).record(time.time(), scheduler_stats, iteration_stats)
+
+    def apply_row(self, row) -> None:
+        """An engine's own figures (`EngineFigures.row`), pushed or returned at subscription."""
+        figures = EngineFigures.from_row(row)
+        self.engine(figures.engine).apply(time.time(), figures)
+
+    def registry_generation(self, engine: int) -> int | None:
+        """The slot-registry generation `engine` last pushed (None: it does not push)."""
+        feed = self.engines.get(engine)
+        return feed.figures.registry_generation if feed is not None and feed.pushed else None
+
+    @property
+    def engine_steps(self) -> int:
+        return sum(e.figures.steps for e in self.engines.values())
+
+    @property
+    def last_record_time(self) -> float | None:
+        times = [e.figures.step_time for e in self.engines.values() if e.figures.step_time]
+        return max(times) if times else None
+
     def snapshot(self, slots, failed_unattributed: int) -> dict:
         now = time.time()
         slots = list(slots)
+        limits = (self.max_num_seqs, self.max_num_batched_tokens)
+        engines = []
+        for index in sorted(self.engines):
+            feed = self.engines[index]
+            snap_time = feed.figures.step_time or self.started_at
+            entry = _engine_fields(feed.figures, snap_time, now, limits, feed.tokens_per_s(now))
+            engines.append({"engine": index, **entry})
         snap_time = self.last_record_time or self.started_at
-        return {
-            "schema_version": SCHEMA_VERSION,
+        total = {
             "snapshot_time": snap_time,
             "age_s": max(0.0, now - snap_time),
-            "engine_step": self.engine_steps,
-            "num_running": self.num_running,
-            "num_waiting": self.num_waiting,
-            "num_waiting_for_capacity": self.num_waiting_for_capacity,
-            "num_waiting_deferred": self.num_waiting_deferred,
-            "idle": self.num_running == 0 and self.num_waiting == 0,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "preemptions_total": self.preemptions,
-            "kv_cache_usage": self.kv_cache_usage,
-            "prefix_cache_hit_rate": (
-                self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+            "idle": all(e["idle"] for e in engines),
+            "kv_cache_usage": (
+                sum(e["kv_cache_usage"] for e in engines) / len(engines) if engines else 0.0
             ),
-            "generation_tokens_total": self.generation_tokens,
-            "generation_tokens_per_s": self.tokens_per_s(now),
+        }
+        for name in (
+            "engine_step",
+            "num_running",
+            "num_waiting",
+            "num_waiting_for_capacity",
+            "num_waiting_deferred",
+            "preemptions_total",
+            "generation_tokens_total",
+            "generation_tokens_per_s",
+        ):
+            total[name] = sum(e[name] for e in engines)
+        queries = sum(e.figures.prefix_queries for e in self.engines.values())
+        hits = sum(e.figures.prefix_hits for e in self.engines.values())
+        n = max(1, len(engines))  # (before any engine is known: one engine's limits)
+        return {
+            "schema_version": SCHEMA_VERSION,
+            **total,
+            "max_num_seqs": _times(self.max_num_seqs, n),
+            "max_num_batched_tokens": _times(self.max_num_batched_tokens, n),
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
             "generation_tokens_window_s": TOKENS_WINDOW_S,
+            "engines": engines,
             "slots": {
                 s.name: {
                     "version": s.version,
@@ -126,7 +209,8 @@ class MetricsFeed:
         }
 
 
-#: The process's feed: written by `ArtStatLogger.record`, read by the `/art/metrics` route.
+#: The process's feed: written by `ArtStatLogger.record` and the engines' pushes, read by the
+#: `/art/metrics` route.
 FEED = MetricsFeed()
 
 

@@ -6,8 +6,12 @@ machinery: that fixed cost is most of a small request. This middleware, added la
 first, answers `GET /art/metrics` itself and passes everything else through untouched. It
 checks the API key with the same rule as the other `/art/*` routes, formats the in-memory
 snapshot with `json.dumps`, and answers 503 when `?max_age_s=X` is given and the snapshot is
-older than X seconds, so a client can insist on fresh numbers. Slot fields are read from
-EngineCore's registry (one utility call) so every API server reports the same ones.
+older than X seconds, so a client can insist on fresh numbers. Slot fields are EngineCore's
+registry, so every API server reports the same ones; it is read again only after it changed
+(one API server: after its own updates; several: when engine 0 pushes a new registry
+generation, `ApiServerState.registry_slots`), so an answer does not wait for an engine step.
+With several API servers the first answer subscribes to the engines' figures
+(`ApiServerState.follow_engines`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ def _error(status: int, message: str) -> tuple[int, dict]:
 async def render(art, query_string: bytes, authorization: str | None) -> tuple[int, dict]:
     if art.api_key_digests and not key_matches(authorization, art.api_key_digests):
         return 401, {"detail": UNAUTHORIZED}
-    slots = await art.slots.refresh()
+    await art.follow_engines()
+    slots = await art.registry_slots()
     snap = FEED.snapshot(slots.values(), art.updates.failed_unattributed)
     raw = parse_qs(query_string.decode("latin-1")).get("max_age_s", [None])[0]
     if raw is None:

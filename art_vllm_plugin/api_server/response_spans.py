@@ -7,8 +7,12 @@ response models accept extra fields):
 
     "policy_spans": [{"start", "end", "slot", "version"}]   # half-open, contiguous, complete
 
-Streaming responses carry spans per chunk: see `stream_spans`. Exact aliases (`slot@N`) are
-checked around the handlers that call these: see `alias_requests`.
+Streaming responses carry spans per chunk: see `stream_spans`. Beam-search answers, which
+vLLM assembles without labels, get theirs from `beam_search_spans` before they reach here.
+Exact aliases (`slot@N`) are checked around the handlers that call these: see
+`alias_requests`. Labels that do not cover a choice's tokens are an error (`policy_spans`
+raises; vLLM answers 500 naming it), the same one a stream ends with, never a made-up
+version.
 """
 
 from __future__ import annotations

@@ -71,24 +71,30 @@ async def lora_update(request: Request):
     return result
 
 
+#: Faults the test hook arms: a commit that fails after its writes (restored), a staging that
+#: fails, a commit whose restore is reported failed (the slot is blocked: blocked_slots).
+FAULT_KINDS = ("commit", "stage", "unknown")
+
+
 @router.post("/v1/test/fault")
 async def test_fault(request: Request):
     """Test-only fault hook (404 unless the server runs with ART_TEST_HOOKS=1).
 
-    Body `{"kind": "commit"|"stage", "rank": R[, "engine": D]}`: on worker rank R of DP
-    engine D (default 0), the next update's commit fails after writing its weights
-    ("commit"), or its staging fails ("stage"), to exercise the all-or-nothing restore.
+    Body `{"kind": "commit"|"stage"|"unknown", "rank": R[, "engine": D]}`: on worker rank R
+    of DP engine D (default 0), the next update's commit fails after writing its weights
+    ("commit"), or its staging fails ("stage"), to exercise the all-or-nothing restore; with
+    "unknown" the commit fails and its restore is reported failed (the blocked-slot rule).
     """
     if os.environ.get("ART_TEST_HOOKS") != "1":
         return _error(404, "Not Found")
     body = await request.json()
     kind, rank, engine = body.get("kind"), body.get("rank"), body.get("engine", 0)
     targets = dict(compat.engine_targets(request.app.state.art.engine_client))
-    if kind not in ("commit", "stage") or not isinstance(rank, int) or engine not in targets:
+    if kind not in FAULT_KINDS or not isinstance(rank, int) or engine not in targets:
         return _error(
             400,
-            'body must be {"kind": "commit"|"stage", "rank": <int>, "engine": <dp rank in '
-            f"{sorted(targets)}>}}",
+            'body must be {"kind": "commit"|"stage"|"unknown", "rank": <int>, '
+            f'"engine": <dp rank in {sorted(targets)}>}}',
         )
     await compat.call_engine_utility_on(
         request.app.state.art.engine_client, targets[engine], "art_test_inject_fault", kind, rank

@@ -10,7 +10,9 @@ reaches engine 0 only, or returns only the first engine's answer):
 1. write the validated bytes once to a fresh staging directory (`art_vllm_plugin.staging`),
    with one marker directory per engine;
 2. *prepare*: one utility call per engine has every worker of that engine start staging on a
-   background thread (each engine's step loop is held for one RPC round trip);
+   background thread (each engine's step loop is held for one RPC round trip). An engine
+   refuses a version it committed before with another digest (409); one where another slot's
+   update is between its commit and its finish answers `busy` and is asked again;
 3. wait here, off the engines, for every worker's `ready`/`failed` marker of every engine;
 4. *commit* only if every engine prepared: one utility call per engine swaps the staged
    tensors in on all its workers (all or nothing within the engine) and records the version,
@@ -22,7 +24,7 @@ reaches engine 0 only, or returns only the first engine's answer):
 Errors are sorted by what is known: the adapter refused by a worker's loader is 422 (the old
 version keeps serving); a failure after which every engine and worker is back on the previous
 weights is 500 (the old version keeps serving); an engine that died or could not restore is
-503 (the slot's state is unknown: restart the server).
+503 (the slot's state is unknown: `PublishError.state_unknown`, the caller blocks the slot).
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ _POLL_S = 0.003
 
 
 class PublishError(Exception):
-    """The update did not commit; `status` says whose fault and what is known."""
+    """The update did not commit; `status` says whose fault and what is known.
+    `state_unknown`: some engine or worker may hold the new weights under the old label."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, state_unknown: bool = False):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.state_unknown = state_unknown
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,7 @@ async def publish(
     version: int,
     current_version: int,
     config: staging.StagingConfig,
+    operation_id: str | None = None,
 ) -> PublishResult:
     keeps = f"slot {slot!r} keeps serving version {current_version}"
     stage_dir = await asyncio.to_thread(_write_stage, config, slot, version, files, engines)
@@ -111,18 +116,20 @@ async def publish(
     committed = False
     try:
         t0 = time.perf_counter()
+        deadline = time.monotonic() + STAGE_TIMEOUT_S
         results = await asyncio.gather(
             *(
-                call(
+                _stage_on(
                     engine_client,
                     e,
-                    "art_stage_lora_update",
+                    deadline,
                     token,
                     lora_int_id,
                     slot,
                     str(stage_dir),
                     version,
                     str(staging.marker_dir(stage_dir, e.dp_rank)),
+                    digest,
                 )
                 for e in engines
             ),
@@ -134,11 +141,12 @@ async def publish(
                 raise _engine_failure(res, f"staging on engine {e.dp_rank}", keeps) from res
         for res in results:
             if not res["ok"]:
-                raise PublishError(409, f"{res['error']}; nothing changed")
+                status = 503 if res.get("kind") == "busy" else 409  # busy past the deadline
+                raise PublishError(status, f"{res['error']}; nothing changed")
         await _wait_staged(stage_dir, engines, [r["ranks"] for r in results], files, keeps)
         stage_ms = (time.perf_counter() - t0) * 1000.0
         results = await call_all(
-            engine_client, engines, "art_commit_lora_update", token, path, digest
+            engine_client, engines, "art_commit_lora_update", token, path, digest, operation_id
         )
         staged = []  # a commit call consumes what was staged, whatever its outcome
         await _settle_commits(engine_client, engines, results, token, slot, version, keeps)
@@ -202,8 +210,19 @@ async def _settle_commits(engine_client, engines, results, token, slot, version,
         503,
         f"the update failed to commit on every engine ({errors}) and not every engine could "
         f"be restored; whether slot {slot!r} serves its previous version or {version} is "
-        "unknown; restart the server",
+        "unknown",
+        state_unknown=True,
     )
+
+
+async def _stage_on(engine_client, engine: Engine, deadline: float, *args) -> dict:
+    """Start staging on one engine, asking again while it answers `busy` (another slot's
+    update is between its commit and its finish there: a few utility calls)."""
+    while True:
+        res = await call(engine_client, engine, "art_stage_lora_update", *args)
+        if res["ok"] or res.get("kind") != "busy" or time.monotonic() > deadline:
+            return res
+        await asyncio.sleep(_POLL_S)
 
 
 def _write_stage(config, slot, version, files: AdapterFiles, engines) -> Path:

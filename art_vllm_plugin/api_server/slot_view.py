@@ -7,6 +7,9 @@ so every API-server process (`--api-server-count N`) reads the same thing: `refr
 utility call to engine 0, made whenever a reader needs the state (`/art/v1/slots`,
 `/art/metrics`, a `slot@N` alias request), so an update that returned through one API server
 is seen by all. Updates themselves are driven by `api_server/update_coordinator.py`.
+
+A slot blocked after an update that left its state unknown carries the reason (`blocked`),
+shown by `/art/v1/slots` and used to answer its requests (`api_server/blocked_slots.py`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class Slot:
     updates: int = 0
     failed_updates: int = 0
     last_update_ms: float | None = None
+    #: Why the slot is blocked (its requests are refused), None when it serves.
+    blocked: str | None = None
 
     def public(self) -> dict:
         return {
@@ -59,6 +64,7 @@ class Slot:
             "path": self.path,
             "digest": self.digest,
             "updated_at": self.updated_at,
+            "blocked": self.blocked,
         }
 
 
@@ -137,12 +143,13 @@ class SlotView:
             if old is None or old.version != slot.version:
                 slot_version_gauge().labels(slot=name).set(slot.version)
 
-    async def refresh(self) -> dict[str, Slot]:
+    async def refresh(self, force: bool = False) -> dict[str, Slot]:
         """Engine 0's registry: one utility call, which under load waits for the engine's
         current step. With a sole API server every change to the registry is an update made
         here, so after one read the copy stays exact until this server's next update starts
-        or ends: `/art/metrics` and alias checks then cost no engine round trip."""
-        if self.sole_api_server and self._fresh:
+        or ends: `/art/metrics` and alias checks then cost no engine round trip. `force`:
+        read it even then (an engine may have changed it in the middle of an update)."""
+        if self.sole_api_server and self._fresh and not force:
             return self.slots
         await self.ensure_registered()
         while True:
@@ -195,6 +202,7 @@ class SlotView:
         slot.updated_at = time.time()
         slot.updates += 1
         slot.last_update_ms = elapsed_ms
+        slot.blocked = None  # committed on every engine: `finish` unblocked it there too
         self._point_new_requests_at(name, path)
         slot_version_gauge().labels(slot=name).set(version)
 

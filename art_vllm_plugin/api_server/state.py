@@ -6,6 +6,10 @@ methods of vLLM's serving classes (which never see the app) reach it through
 `api_server_state(serving)`, because it hangs on the `OpenAIServingModels` every serving
 object of the app shares (`serving.models`). Tests build a fresh one instead of resetting
 module globals.
+
+With several API servers (`--api-server-count N`) it also subscribes, once, to every engine's
+figures (`follow_engines`: the engines push them into the metrics feed), and reads the slot
+registry again only when engine 0's pushed registry generation moved (`registry_slots`).
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from art_vllm_plugin import compat
-from art_vllm_plugin.api_server import aliases
+from art_vllm_plugin.api_server import aliases, slot_publish
 from art_vllm_plugin.api_server.auth import configured_keys
 from art_vllm_plugin.api_server.leases import LeaseManager
+from art_vllm_plugin.api_server.metrics_feed import FEED
 from art_vllm_plugin.api_server.paths import PathPolicy
-from art_vllm_plugin.api_server.slot_view import SlotView
+from art_vllm_plugin.api_server.slot_view import Slot, SlotView
 from art_vllm_plugin.api_server.update_coordinator import UpdateCoordinator
+from art_vllm_plugin.compat import figures as vllm_figures
 from art_vllm_plugin.features import ServerFacts
 
 
@@ -62,6 +68,10 @@ class ApiServerState:
     #: object allocated at the same address.
     pending_aliases: dict[str, aliases.Alias] = field(default_factory=dict)
     _leases: LeaseManager | None = None
+    #: Several API servers: this one receives every engine's figures (`follow_engines`).
+    _following: bool = False
+    #: Engine 0's pushed registry generation when `slots.slots` was last read from it.
+    _slots_generation: int | None = None
 
     @classmethod
     def create(cls, engine_client: Any, args: Namespace, app_state: Any) -> ApiServerState:
@@ -107,6 +117,38 @@ class ApiServerState:
     @property
     def existing_leases(self) -> LeaseManager | None:
         return self._leases
+
+    async def follow_engines(self) -> None:
+        """Several API servers: have every engine push its figures here from now on (once).
+
+        Each engine answers the subscription with its figures as they are, so the first
+        `/art/metrics` already reports every engine; later ones cost no engine round trip.
+        With one API server there is nothing to do: it sees every engine's steps itself."""
+        if self._following or compat.api_server_count(self.engine_client) == 1:
+            return
+        vllm_figures.listen_for_pushes(self.engine_client, FEED.apply_row)
+        client = vllm_figures.api_client_index(self.engine_client)
+        rows = await slot_publish.call_all(
+            self.engine_client, self.slots.engines, "art_figures_subscribe", client
+        )
+        for row in rows:
+            if isinstance(row, BaseException):
+                raise row
+            if row is not None:
+                FEED.apply_row(row)
+        self._following = True
+
+    async def registry_slots(self) -> dict[str, Slot]:
+        """The slots as engine 0's registry has them, from the cached copy while engine 0's
+        pushed registry generation is the one it was read at (several API servers; with one,
+        `SlotView.refresh` keeps its copy exact itself). A generation seen before a read is
+        at most the read's own, so a later change always moves it."""
+        seen = FEED.registry_generation(self.slots.engines[0].dp_rank)
+        if seen is not None and seen == self._slots_generation:
+            return self.slots.slots
+        slots = await self.slots.refresh()
+        self._slots_generation = seen
+        return slots
 
     def resolve_alias(self, model: str | None) -> aliases.Alias | None:
         """The alias `model` names: a leased `slot@N` first, then a slot's current version;

@@ -1,55 +1,65 @@
 """Policy spans on streaming responses (`stream: true`) of completions and chat.
 
-Each SSE chunk of a choice that carries tokens (text, a chat delta, or the finish) carries
-`policy_spans` for the tokens that arrived since the choice's previous spans: half-open ranges
-in the choice's own token positions (0 = its first completion token), so concatenating a
-choice's chunk spans (merging neighbours of equal version) gives exactly the non-streaming
-`policy_spans` of the same generation. With `n > 1` every choice index has its own.
+Each SSE chunk that reports tokens of a choice carries `policy_spans` for the tokens that
+arrived since the choice's previous spans: half-open ranges in the choice's own token
+positions (0 = its first completion token), so concatenating a choice's chunk spans (merging
+neighbours of equal version) gives exactly the non-streaming `policy_spans` of the same
+generation. With `n > 1` every choice index has its own.
 
 How: vLLM keeps per-request weight-version starts in the output processor but only reports
-them on the final output. We attach the spans-so-far to every output
-(vLLM's `RequestState`, through `compat`), wrap the stream generator's `result_generator` to turn
-each delta into spans for its new tokens, and add those to the chunk the generator yields for
-that choice. A stream on an exact alias (`slot@N`) whose tokens turn out to come from another
-version is ended with an error event instead of silently continuing.
+them on the final output. We attach the spans-so-far to every output (vLLM's `RequestState`,
+through `compat`), wrap the stream generator's `result_generator` to turn each delta into
+spans for its new tokens, and splice those into the next chunk the generator yields for that
+choice (`chunk_splice`: the chunk is not parsed or re-serialised).
+
+Errors end the stream in vLLM's own streaming error format (an `{"error": ...}` event, then
+`[DONE]`):
+- tokens without a label: the same error a non-streaming answer gets (`policy_spans` raises;
+  vLLM's generator turns it into the event), never a made-up version;
+- a stream on an exact alias (`slot@N`) whose tokens turn out to come from another version:
+  409;
+- spans that found no chunk to ride on by the end (vLLM changed how it writes chunks): 500,
+  instead of a stream that silently lacks provenance.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import json
 from collections import defaultdict
 
-from art_protocol.provenance import extend_spans, slot_spans, slot_version
+from art_protocol.provenance import extend_spans, policy_spans
 from art_vllm_plugin import compat
+from art_vllm_plugin.api_server import chunk_splice, label_test_hook
 from art_vllm_plugin.api_server.state import api_server_state
+from art_vllm_plugin.compat.api_server import request_state_external_id, streaming_error_event
 
 
 def _new_token_spans(output, lora_request, produced: int) -> tuple[list[dict], int]:
-    """Spans of this delta's tokens, given how many tokens the choice had before."""
+    """Spans of this delta's tokens, given how many tokens the choice had before.
+
+    The output carries the labels of all its tokens so far; they must cover them exactly as a
+    whole answer's must (`policy_spans` raises the same error otherwise)."""
     new = len(output.token_ids)
     if not new:
         return [], produced
     slot = lora_request.lora_name if lora_request is not None else None
     lora_id = lora_request.lora_int_id if lora_request is not None else None
-    start, end = produced, produced + new
-    spans = slot_spans(getattr(output, "weight_versions", None), slot, lora_id, start, end)
-    if not spans or spans[0]["start"] != start or spans[-1]["end"] != end:
-        # No labels reported (should not happen once the output processor is patched).
-        spans = [{"start": start, "end": end, "slot": slot, "version": slot_version(None, lora_id)}]
+    end = produced + new
+    spans = []
+    for span in policy_spans(getattr(output, "weight_versions", None), end, slot, lora_id):
+        if span["end"] > produced:
+            spans.append({**span, "start": max(span["start"], produced)})
     return spans, end
 
 
-def _carries_tokens(choice: dict) -> bool:
-    if choice.get("finish_reason") is not None or choice.get("text"):
-        return True
-    delta = choice.get("delta") or {}
-    return bool(
-        delta.get("content")
-        or delta.get("reasoning")
-        or delta.get("tool_calls")
-        or delta.get("reasoning_content")
+def _replaced_alias(alias, spans: list[dict]) -> str | None:
+    bad = next((s for s in spans if s["version"] != alias.version), None)
+    if bad is None:
+        return None
+    return (
+        f"{alias.name} was replaced by {alias.slot}@{bad['version']} during generation; "
+        "stream ended"
     )
 
 
@@ -68,46 +78,47 @@ def wrap_stream_generator(original, index_of):
         source = bound.arguments["result_generator"]
 
         async def capture():
-            async for item in source:
-                res = item[1] if isinstance(item, tuple) else item
-                for output in res.outputs:
-                    idx = index_of(request, item, output)
-                    spans, produced[idx] = _new_token_spans(output, res.lora_request, produced[idx])
-                    extend_spans(pending[idx], spans)
-                yield item
+            try:
+                async for item in source:
+                    res = item[1] if isinstance(item, tuple) else item
+                    for output in res.outputs:
+                        idx = index_of(request, item, output)
+                        spans, produced[idx] = _new_token_spans(
+                            output, res.lora_request, produced[idx]
+                        )
+                        extend_spans(pending[idx], spans)
+                    yield item
+            finally:
+                # Raised (labels missing) or abandoned: the engine requests end with us.
+                aclose = getattr(source, "aclose", None)
+                if aclose is not None:
+                    await aclose()
 
         bound.arguments["result_generator"] = capture()
-        async for chunk in original(*bound.args, **bound.kwargs):
-            if not chunk.startswith("data: {"):
-                yield chunk
-                continue
-            payload = json.loads(chunk[len("data: ") :])
-            changed = False
-            for choice in payload.get("choices") or ():
-                idx = choice.get("index", 0)
-                if pending.get(idx) and _carries_tokens(choice):
-                    choice["policy_spans"], pending[idx] = pending[idx], []
-                    changed = True
-                    bad = alias and next(
-                        (s for s in choice["policy_spans"] if s["version"] != alias.version), None
+        chunks = original(*bound.args, **bound.kwargs)
+        failed = False
+        try:
+            async for chunk in chunks:
+                if chunk_splice.is_error(chunk):
+                    failed = True
+                elif chunk_splice.is_done(chunk) and not failed and any(pending.values()):
+                    left = {i: s for i, s in pending.items() if s}
+                    yield streaming_error_event(
+                        f"policy spans {left} found no chunk to ride on; refusing to end the "
+                        "stream without provenance for those tokens",
+                        "InternalServerError",
+                        500,
                     )
-                    if bad:
-                        message = (
-                            f"{alias.name} was replaced by {alias.slot}@{bad['version']} "
-                            "during generation; stream ended"
-                        )
-                        yield (
-                            "data: "
-                            + json.dumps(
-                                {"error": {"message": message, "type": "Conflict", "code": 409}}
-                            )
-                            + "\n\n"
-                        )
-                        yield "data: [DONE]\n\n"
+                elif (found := chunk_splice.token_chunk(chunk)) and pending.get(found.index):
+                    spans, pending[found.index] = pending[found.index], []
+                    if alias and (message := _replaced_alias(alias, spans)):
+                        yield streaming_error_event(message, "Conflict", 409)
+                        yield chunk_splice.DONE + "\n\n"
                         return
-            yield (
-                "data: " + json.dumps(payload, separators=(",", ":")) + "\n\n" if changed else chunk
-            )
+                    chunk = chunk_splice.splice(chunk, found.at, spans)
+                yield chunk
+        finally:
+            await chunks.aclose()
 
     return stream
 
@@ -126,13 +137,19 @@ def chat_stream_spans(original):
 
 def spans_so_far(original):
     """Wrapper for `RequestState._new_completion_output`: every output carries its spans so
-    far (vLLM reports them on the final output only)."""
+    far (vLLM reports them on the final output only). On a server with ART_TEST_HOOKS=1, a
+    marked request loses labels here (`label_test_hook`)."""
+    test_hook = label_test_hook.enabled()
 
     @functools.wraps(original)
     def new_completion_output(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         if out.weight_versions is None:
             out.weight_versions = compat.weight_version_spans_so_far(self)
+        if test_hook:
+            out.weight_versions = label_test_hook.clip_labels(
+                request_state_external_id(self), out.weight_versions
+            )
         return out
 
     return new_completion_output

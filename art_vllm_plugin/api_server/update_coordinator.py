@@ -1,16 +1,22 @@
 """The API server's half of an in-flight slot update: admit, validate, publish, record.
 
 An update: reserve on engine 0 (operation-id replay, `expected_version` compare-and-swap,
-one update at a time across every API server), read and validate the adapter here once (in a
-thread, off the event loop) and digest those bytes, then publish them to every engine
-(`api_server/slot_publish.py`: stage everywhere, commit everywhere or nowhere), and finally
-record the outcome on every engine (`art_finish_update`), which ends the reservation. The
-slot view (`api_server/slot_view.py`) is told when an update starts and ends, so its cached
-copy of the registry is read again.
+one update of a slot at a time across every API server), read and validate the adapter here
+once (in a thread, off the event loop) and digest those bytes, then publish them to every
+engine (`api_server/slot_publish.py`: stage everywhere, commit everywhere or nowhere), and
+finally record the outcome on every engine (`art_finish_update`), which ends the reservation.
+The slot view (`api_server/slot_view.py`) is told when an update starts and ends, so its
+cached copy of the registry is read again.
 
-Updates of one API server are serialized by one lock. Each runs as its own task and the HTTP
-handler awaits it through `asyncio.shield`: a client that disconnects or cancels does not
-cancel an update that may already be committed in the engines, so the engines' registries
+The digest always comes from the bytes read here, whether or not the request carried one, so
+every engine binds the version it commits to a digest (`engine_core/version_digests.py`).
+An update that fails with the slot's state unknown (503) blocks the slot on every engine
+until an update of it commits cleanly everywhere (`engine_core/blocked_slots.py`).
+
+Updates of one slot are serialized by a lock per slot (and across API servers by engine 0's
+reservation); updates of different slots run at the same time. Each runs as its own task and
+the HTTP handler awaits it through `asyncio.shield`: a client that disconnects or cancels does
+not cancel an update that may already be committed in the engines, so the engines' registries
 always end the update, and the lock is released when the task ends.
 """
 
@@ -62,7 +68,8 @@ class UpdateCoordinator:
         self.max_lora_rank = max_lora_rank
         #: Refused before a slot was known (bad body, unknown slot); per API server.
         self.failed_unattributed = 0
-        self._lock = asyncio.Lock()
+        #: One lock per slot: updates of a slot run one at a time, different slots at once.
+        self._locks: dict[str, asyncio.Lock] = {}
         self.staging = staging.StagingConfig.default()
 
     async def update(self, req: UpdateRequest) -> dict:
@@ -92,8 +99,24 @@ class UpdateCoordinator:
         finally:
             self.view.registry_changing()  # counters and versions: the next refresh reads them
 
+    async def _block(self, name: str, req: UpdateRequest, error: str) -> None:
+        """Block slot `name` on every engine that answers (an engine that died serves nothing)."""
+        results = await slot_publish.call_all(
+            self.engine_client,
+            self.engines,
+            "art_block_slot",
+            name,
+            req.version,
+            req.operation_id,
+            error,
+        )
+        for e, r in zip(self.engines, results, strict=True):
+            if isinstance(r, BaseException):
+                logger.warning("art: engine %d could not block slot %s: %s", e.dp_rank, name, r)
+
     async def _reserve(self, req: UpdateRequest, token: str) -> dict:
-        """Admission on engine 0; waits while another update (any API server) is running."""
+        """Admission on engine 0; waits while another update of the slot (any API server) is
+        running."""
         deadline = time.monotonic() + RESERVE_WAIT_S
         while True:
             try:
@@ -132,7 +155,7 @@ class UpdateCoordinator:
             resolved = str(self.paths.resolve(req.path))
         except PathRefused as exc:
             raise UpdateError(403, f"{exc}; slot {name!r} keeps serving version {current}") from exc
-        async with self._lock:
+        async with self._locks.setdefault(name, asyncio.Lock()):
             admitted = await self._reserve(req, token)
             if not admitted["ok"]:
                 if admitted["kind"] == "replay":
@@ -170,8 +193,16 @@ class UpdateCoordinator:
                     version=req.version,
                     current_version=current,
                     config=self.staging,
+                    operation_id=req.operation_id,
                 )
             except slot_publish.PublishError as exc:
+                if exc.state_unknown:
+                    await self._block(name, req, exc.message)
+                    raise UpdateError(
+                        exc.status,
+                        f"{exc.message}; requests on slot {name!r} are refused (503) until an "
+                        "update of it commits on every engine",
+                    ) from exc
                 raise UpdateError(exc.status, exc.message) from exc
             elapsed_ms = (time.perf_counter() - t0) * 1000.0
             response = UpdateResponse(

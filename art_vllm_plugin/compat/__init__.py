@@ -13,8 +13,9 @@ them are declared and reached here, and nowhere else:
   marker for all; anything undeclared is refused); `attach_state` hangs the plugin's state
   on a vLLM object. Which patches each process role applies, in which order:
   `art_vllm_plugin/install.py`.
-- `platform`, `api_server`, `engine_core`, `worker`, `routes`: accessors, by the process role that
-  uses them; re-exported here, so callers write `compat.engine_scheduler(core)`.
+- `platform`, `api_server`, `engine_core`, `worker`, `routes`, `provenance`: accessors, by
+  the process role or feature that uses them; re-exported here, so callers write
+  `compat.engine_scheduler(core)`.
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ from art_vllm_plugin.compat.platform import (
     lora_request,
     num_experts,
     routes_use_worker_path,
+)
+from art_vllm_plugin.compat.provenance import (
+    is_async_runner_output,
+    is_shared_empty_runner_output,
 )
 from art_vllm_plugin.compat.routes import (
     engine_collective_rpc,
@@ -157,7 +162,9 @@ __all__ = [
     "error_response",
     "freeze_running_requests",
     "is_applied",
+    "is_async_runner_output",
     "is_cpu_platform",
+    "is_shared_empty_runner_output",
     "load",
     "lora_capacity",
     "lora_device",

@@ -9,6 +9,9 @@ engine=identity)` reaches exactly one of them.
 
 from __future__ import annotations
 
+import json
+from http import HTTPStatus
+
 from art_vllm_plugin.compat import names
 from art_vllm_plugin.compat.patching import load
 
@@ -89,10 +92,20 @@ def serving_handlers(app_state) -> tuple[object, object]:
     )
 
 
-def error_response(message: str, err_type: str, status_code: int):
+def error_response(message: str, err_type: str, status_code: int, param: str | None = None):
     """vLLM's `ErrorResponse` (what its own handlers return; the route turns it into JSON with
-    `status_code`)."""
-    return load(names.CREATE_ERROR_RESPONSE)(message, err_type=err_type, status_code=status_code)
+    `status_code`); `param` names the request field at fault."""
+    return load(names.CREATE_ERROR_RESPONSE)(
+        message, err_type=err_type, status_code=HTTPStatus(status_code), param=param
+    )
+
+
+def streaming_error_event(message: str, err_type: str, status_code: int) -> str:
+    """One SSE event in vLLM's streaming error format: what its stream generators send before
+    `data: [DONE]` when a stream fails (`create_streaming_error_response`: `json.dumps` of an
+    `ErrorResponse`)."""
+    body = error_response(message, err_type, status_code).model_dump()
+    return f"data: {json.dumps(body)}\n\n"
 
 
 def completion_request_class():
@@ -101,6 +114,37 @@ def completion_request_class():
 
 def chat_request_class():
     return load(names.CHAT_REQUEST)
+
+
+def weight_version_span(label: str | None, start: int, end: int):
+    """vLLM's `WeightVersionSpan(version, start, end)`: output tokens `[start, end)` were
+    sampled by the weights labelled `label`."""
+    return load(names.WEIGHT_VERSION_SPAN)(label, start, end)
+
+
+def request_state_external_id(request_state) -> str:
+    """The id the API server gave the request (`RequestState.external_req_id`); n>1 children
+    and beam-search steps carry the id of the request they belong to inside theirs."""
+    return request_state.external_req_id
+
+
+def cpu_lora_logits_fail_on_batches(vllm_config) -> bool:
+    """Whether computing prompt logprobs can take EngineCore down on this server.
+
+    vLLM 0.32 on the CPU platform (`get_punica_wrapper` -> `PunicaWrapperCPU`), both the V1
+    runner and Model Runner V2: with `--enable-lora`, every logits computation goes through
+    `LogitsProcessorWithLoRA` -> `PunicaWrapperCPU.add_lora_logits` -> `bgmv_shrink`, which
+    pairs one LoRA index per *request* with each logits row. Sampling has one row per request;
+    prompt logprobs have one row per prompt token, so with two or more requests in the batch
+    the `einsum` sizes differ and the worker raises (`subscript b has size 2 ... does not
+    broadcast with previously seen size 7`), which ends EngineCore and every request on it.
+    With one request per batch (`--max-num-seqs 1`) the single index broadcasts and the
+    result is right. GPUs use `PunicaWrapperGPU`, which maps prompt rows itself."""
+    if vllm_config.lora_config is None or vllm_config.scheduler_config.max_num_seqs <= 1:
+        return False
+    cpu = names.CPU_PUNICA_WRAPPER
+    wrapper = load(names.CURRENT_PLATFORM).get_punica_wrapper()
+    return wrapper == f"{cpu.module}.{cpu.qualname}"
 
 
 def weight_version_spans_so_far(request_state):

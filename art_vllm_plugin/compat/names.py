@@ -273,5 +273,176 @@ USE_V2_MODEL_RUNNER = VllmName(
     "vllm.config.vllm", "VllmConfig.use_v2_model_runner", "attribute", "native or worker capture"
 )
 
+# --- engine figures for /art/metrics: a step's stats, the push channel (compat/figures.py) ---
+ENGINE_CORE_OUTPUTS = VllmName(
+    "vllm.v1.engine", "EngineCoreOutputs", "class", "a push to an API server is one"
+)
+OUTPUTS_SCHEDULER_STATS = VllmName(
+    "vllm.v1.engine", "EngineCoreOutputs.scheduler_stats", "attribute", "the step's stats"
+)
+UTILITY_OUTPUT = VllmName("vllm.v1.engine", "UtilityOutput", "class", "carries a push")
+UTILITY_RESULT = VllmName("vllm.v1.serial_utils", "UtilityResult", "class", "a push's payload")
+EVENT_PREEMPTED = VllmName(
+    "vllm.v1.engine", "EngineCoreEventType.PREEMPTED", "constant", "preemptions in a step"
+)
+SCHEDULER_STATS_DEFERRED = VllmName(
+    "vllm.v1.metrics.stats",
+    "SchedulerStats.num_skipped_waiting_reqs",
+    "attribute",
+    "requests waiting on something other than capacity",
+)
+ENGINE_OUTPUT_QUEUE = VllmName(
+    _ENGINE, "EngineCoreProc.output_queue", "attribute", "(client, outputs) the output thread sends"
+)
+ENGINE_DP_RANK = VllmName(
+    _ENGINE, "EngineCoreProc.engine_index", "attribute", "which engine's figures a push holds"
+)
+ENGINE_ADDRESSES = VllmName(
+    _ENGINE, "EngineCoreProc.addresses", "attribute", "one output socket per API server"
+)
+PROCESS_UTILITY_OUTPUT = VllmName(
+    _CLIENT,
+    "_process_utility_output",
+    "function",
+    "pops the object under a call id and calls its set_result: the push receiver relies on it",
+)
+CLIENT_UTILITY_RESULTS = VllmName(
+    _CLIENT, "MPClient.utility_results", "attribute", "where the push receiver waits"
+)
+CLIENT_INDEX = VllmName(
+    _CLIENT, "AsyncMPClient.client_index", "attribute", "which API server the engines push to"
+)
+
+# -- worker-recorded labels (worker/forward_labels.py) --------------------------------------
+ASYNC_MODEL_RUNNER_OUTPUT = VllmName(
+    "vllm.v1.outputs",
+    "AsyncModelRunnerOutput",
+    "class",
+    "an async step's output, made by get_output(): the label is attached then",
+)
+EMPTY_MODEL_RUNNER_OUTPUT = VllmName(
+    "vllm.v1.outputs",
+    "EMPTY_MODEL_RUNNER_OUTPUT",
+    "constant",
+    "vLLM's shared empty output: copied before it carries a label",
+)
+
+# -- blocked slots: requests of a slot left unknown fail (engine_core/blocked_slots.py) ------
+SCHEDULER_FINISH_REQUESTS = VllmName(
+    "vllm.v1.core.sched.scheduler",
+    "Scheduler.finish_requests",
+    "method",
+    "ends the running and waiting requests of a blocked slot (frees their KV)",
+)
+REQUEST_STATUS_FINISHED_ERROR = VllmName(
+    "vllm.v1.request",
+    "RequestStatus.FINISHED_ERROR",
+    "attribute",
+    "the status they end with (the API server answers it as an error)",
+)
+REQUEST_CLIENT_INDEX = VllmName(
+    "vllm.v1.request", "Request.client_index", "attribute", "which API server gets the error"
+)
+ENGINE_SEND_ERROR_OUTPUTS = VllmName(
+    _ENGINE,
+    "EngineCoreProc._send_error_outputs_to_client",
+    "method",
+    "tells the API server a request ended with an error (FinishReason.ERROR)",
+)
+
+# -- slot writes: what vLLM's `set_lora` writes, done by the plugin (worker/slot_layout.py) --
+_LORA_LAYERS = "vllm.lora.layers"
+_MOE_LORA = "vllm.lora.layers.fused_moe"
+LINEAR_SET_LORA = VllmName(
+    f"{_LORA_LAYERS}.base_linear",
+    "BaseLinearLayerWithLoRA.set_lora",
+    "method",
+    "a layer whose set_lora is this one is written by the plugin (reset, TP slice, copy)",
+)
+MERGED_SET_LORA = VllmName(
+    f"{_LORA_LAYERS}.column_parallel_linear",
+    "MergedColumnParallelLinearWithLoRA.set_lora",
+    "method",
+    "the same, after expanding packed groups (expand_packed_lora)",
+)
+MOE_SET_LORA = VllmName(
+    _MOE_LORA, "FusedMoEWithLoRA.set_lora", "method", "2-D expert LoRA written by the plugin"
+)
+MOE_3D_SET_LORA = VllmName(
+    _MOE_LORA, "FusedMoE3DWithLoRA.set_lora", "method", "3-D expert LoRA written by the plugin"
+)
+LORA_A_STACKED = VllmName(
+    f"{_LORA_LAYERS}.base_linear",
+    "BaseLinearLayerWithLoRA.lora_a_stacked",
+    "attribute",
+    "a linear layer's A slots [max_loras, 1, rank, in] per slice",
+)
+LORA_B_STACKED = VllmName(
+    f"{_LORA_LAYERS}.base_linear",
+    "BaseLinearLayerWithLoRA.lora_b_stacked",
+    "attribute",
+    "a linear layer's B slots [max_loras, 1, out, rank] per slice",
+)
+MOE_W13_A = VllmName(
+    _MOE_LORA, "FusedMoEWithLoRA.w13_lora_a_stacked", "attribute", "expert A slots (gate, up)"
+)
+MOE_W13_B = VllmName(
+    _MOE_LORA, "FusedMoEWithLoRA.w13_lora_b_stacked", "attribute", "expert B slots (gate, up)"
+)
+MOE_W2_A = VllmName(
+    _MOE_LORA, "FusedMoEWithLoRA.w2_lora_a_stacked", "attribute", "expert A slots (down)"
+)
+MOE_W2_B = VllmName(
+    _MOE_LORA, "FusedMoEWithLoRA.w2_lora_b_stacked", "attribute", "expert B slots (down)"
+)
+MOE_ADAPTER_ENABLED = VllmName(
+    _MOE_LORA,
+    "FusedMoEWithLoRA.adapter_enabled",
+    "attribute",
+    "the expert kernels skip an index whose flag is 0 (set_lora sets it to 1)",
+)
+MOE_MATCH_EXPERT_DIM = VllmName(
+    _MOE_LORA,
+    "FusedMoEWithLoRA._match_expert_dim",
+    "method",
+    "collapses a shared factor to its buffer's expert dimension, as set_lora does",
+)
+MOE_SLICES = tuple(
+    VllmName(_MOE_LORA, f"FusedMoEWithLoRA.{name}", "method", "this rank's expert shard")
+    for name in ("_slice_w13_a", "_slice_w13_b", "_slice_w2_a", "_slice_w2_b")
+)
+LORA_MODEL_IS_3D = VllmName(
+    "vllm.lora.lora_model",
+    "LoRAModel.is_3d_lora_weight",
+    "attribute",
+    "a slot's MoE layout, carried into the request that stages its next version",
+)
+
+# -- spans on every answer: beam search, missing labels, prompt logprobs (api_server/) --------
+WEIGHT_VERSION_SPAN = VllmName(
+    "vllm.outputs",
+    "WeightVersionSpan",
+    "class",
+    "a beam's labels, built from the labels of the engine requests that made its tokens",
+)
+REQUEST_STATE_EXTERNAL_ID = VllmName(
+    "vllm.v1.engine.output_processor",
+    "RequestState.external_req_id",
+    "attribute",
+    "the test-only label hook (ART_TEST_HOOKS=1) finds its marker in the request's id",
+)
+PLATFORM_PUNICA_WRAPPER = VllmName(
+    "vllm.platforms.interface",
+    "Platform.get_punica_wrapper",
+    "method",
+    "which LoRA kernels compute logits (prompt logprobs fail on the CPU ones with batches)",
+)
+CPU_PUNICA_WRAPPER = VllmName(
+    "vllm.lora.punica_wrapper.punica_cpu",
+    "PunicaWrapperCPU",
+    "class",
+    "its add_lora_logits fails on prompt logprobs when a batch holds two requests or more",
+)
+
 #: Every declared name.
 ALL: tuple[VllmName, ...] = collect(dict(globals()), VllmName)

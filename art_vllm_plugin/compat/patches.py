@@ -55,7 +55,7 @@ ENGINE_SALT_REQUEST = VllmPatch(
     _ENGINE,
     "EngineCore.add_request",
     by="engine_core.cache_salting.salt_new_requests",
-    why="a new request's cache salt carries its slot's policy version",
+    why="a new request's salt (set at preprocessing) is re-set if an update committed since",
 )
 ENGINE_ATTACH_WEIGHT_VERSION = VllmPatch(
     _ENGINE,
@@ -111,6 +111,7 @@ SLOT_UPDATE_UTILITIES = adds(
         "art_test_inject_fault",
         "art_test_hold_at_step",
         "art_slot_state",
+        "art_block_slot",
     ),
     by="engine_core.slot_updates",
     why="utility calls of the two-phase slot update and the slot registry",
@@ -287,6 +288,83 @@ WORKER_ROUTE_LAYER_IDS = adds(
     ("art_route_layer_ids",),
     by="worker.route_layers",
     why="collective_rpc target: the model's MoE layer ids, from the loaded model",
+)
+
+# -- worker-recorded labels (worker/forward_labels.py) --------------------------------------
+WORKER_FORWARD_LABEL = VllmPatch(
+    "vllm.v1.worker.gpu_worker",
+    "Worker.execute_model",
+    by="worker.forward_labels.label_forwards",
+    why="the forward runs under the weights lock and records the label of its weights",
+)
+WORKER_SAMPLED_LABEL = VllmPatch(
+    "vllm.v1.worker.gpu_worker",
+    "Worker.sample_tokens",
+    by="worker.forward_labels.label_sampled",
+    why="the sampled output carries the label of the forward that computed its logits",
+)
+
+# -- engine figures for /art/metrics, and the cache salt set once (issue 22 item 5) ----------
+ENGINE_FIGURES_ON_OUTPUTS = VllmPatch(
+    _ENGINE,
+    "EngineCore._attach_weight_version",
+    by="engine_core.figures_push.figures_on_outputs",
+    why="with several API servers each engine adds its steps up and pushes them to all",
+)
+ENGINE_FIGURES_REGISTRY_PUSH = VllmPatch(
+    _ENGINE,
+    "EngineCoreProc._handle_client_request",
+    by="engine_core.figures_push.push_registry_changes",
+    why="a utility call that changed the slot registry pushes its generation at once",
+)
+FIGURES_UTILITIES = adds(
+    _ENGINE,
+    "EngineCore",
+    ("art_figures_subscribe",),
+    by="engine_core.figures_push",
+    why="utility call: an API server subscribes to the engine's figures",
+)
+ENGINE_SALT_ON_PREPROCESS = VllmPatch(
+    _ENGINE,
+    "EngineCore.preprocess_add_request",
+    by="engine_core.cache_salting.salt_on_preprocess",
+    why="the cache salt is set before the Request hashes its prompt (input thread), once",
+)
+
+# -- blocked slots (engine_core/blocked_slots.py) -------------------------------------------
+ENGINE_REFUSE_BLOCKED_SLOT = VllmPatch(
+    _ENGINE,
+    "EngineCore.add_request",
+    by="engine_core.blocked_slots.refuse_requests_of_blocked_slots",
+    why="a request on a slot whose update left its weights unknown ends with an error",
+)
+
+# -- spans on every answer: beam search, prompt logprobs (api_server/) -----------------------
+BEAM_SEARCH_SPANS = VllmPatch(
+    "vllm.entrypoints.generate.beam_search.online",
+    "BeamSearchOnlineMixin.beam_search",
+    by="api_server.beam_search_spans.spans_on_beams",
+    why="vLLM assembles beam-search answers itself, without weight_versions: each beam gets "
+    "the labels of the engine requests that sampled its tokens",
+)
+BEAM_SEARCH_STEP_LABELS = VllmPatch(
+    "vllm.entrypoints.generate.beam_search.online",
+    "collect_from_async_generator",
+    by="api_server.beam_search_spans.record_step_labels",
+    why="the beam-search module's own binding: records the label of each one-token engine "
+    "request a beam search makes (its prompt is the beam so far)",
+)
+COMPLETION_PROMPT_LOGPROBS_GUARD = VllmPatch(
+    _COMPLETION,
+    "OpenAIServingCompletion.create_completion",
+    by="api_server.request_refusals.refuse_completion_prompt_logprobs",
+    why="prompt logprobs with --enable-lora on the CPU build end EngineCore: refused (400)",
+)
+CHAT_PROMPT_LOGPROBS_GUARD = VllmPatch(
+    _CHAT,
+    "OpenAIServingChat.create_chat_completion",
+    by="api_server.request_refusals.refuse_chat_prompt_logprobs",
+    why="prompt logprobs with --enable-lora on the CPU build end EngineCore: refused (400)",
 )
 
 #: Every declared patch; `compat.wrap`/`add`/`wrap_instance` refuse any other.

@@ -130,3 +130,74 @@ def aux_output_metadata(scheduler_output):
 
 def set_aux_output(model_runner_output, outputs: dict) -> None:
     model_runner_output.aux_output_connector_output = outputs
+
+
+# --- slot writes: vLLM's LoRA layers, as `set_lora` writes them (worker/slot_layout.py) ----
+#: Which vLLM `set_lora` a layer runs -> the kind of write the plugin mirrors for it.
+_SET_LORA_KINDS = (
+    ("linear", names.LINEAR_SET_LORA),
+    ("merged", names.MERGED_SET_LORA),
+    ("moe", names.MOE_SET_LORA),
+    ("moe3d", names.MOE_3D_SET_LORA),
+)
+
+
+def set_lora_kind(module) -> str | None:
+    """Which of vLLM's `set_lora` methods the layer runs: "linear" (`BaseLinearLayerWithLoRA`:
+    reset, slice for tensor parallelism, copy into `[index, 0]`), "merged" (the same after
+    `expand_packed_lora`), "moe" / "moe3d" (`FusedMoEWithLoRA` / `FusedMoE3DWithLoRA`); None
+    for any other (embeddings, logits, or a subclass with a `set_lora` of its own)."""
+    method = getattr(type(module), "set_lora", None)
+    for kind, name in _SET_LORA_KINDS:
+        if method is load(name):
+            return kind
+    return None
+
+
+def linear_lora_buffers(module) -> tuple[list, list]:
+    """(A, B) stacked tensors of a linear LoRA layer, one per slice:
+    A `[max_loras, 1, max_rank, in]`, B `[max_loras, 1, out, max_rank]`."""
+    return list(module.lora_a_stacked), list(module.lora_b_stacked)
+
+
+def moe_lora_buffers(module) -> tuple[tuple, tuple, tuple, tuple]:
+    """(w13 A, w13 B, w2 A, w2 B) stacked tensors of an expert LoRA layer, each a tuple (w13:
+    one per gate/up slice, or one fused); A `[max_loras, experts, max_rank, in]`, B
+    `[max_loras, experts, out, max_rank]` (a shared factor has experts = 1)."""
+    return (
+        tuple(module.w13_lora_a_stacked),
+        tuple(module.w13_lora_b_stacked),
+        tuple(module.w2_lora_a_stacked),
+        tuple(module.w2_lora_b_stacked),
+    )
+
+
+def moe_match_expert_dim(module, tensor, buffer):
+    """`FusedMoEWithLoRA._match_expert_dim`: the factor as its buffer's expert dim takes it."""
+    return module._match_expert_dim(tensor, buffer)
+
+
+def moe_rank_shard(module, which: str, tensor):
+    """This rank's tensor-parallel shard of one expert factor, by the layer's own slicing:
+    `which` is "w13_a", "w13_b", "w2_a" or "w2_b" (`FusedMoEWithLoRA._slice_<which>`)."""
+    if which == "w13_a":
+        return module._slice_w13_a(tensor)
+    if which == "w13_b":
+        return module._slice_w13_b(tensor)
+    if which == "w2_a":
+        return module._slice_w2_a(tensor)
+    if which == "w2_b":
+        return module._slice_w2_b(tensor)
+    raise ValueError(f"unknown expert factor {which!r}")
+
+
+def moe_enable_index(module, index: int) -> None:
+    """Mark stacked index `index` as holding an adapter (`adapter_enabled[index] = 1`, what
+    `FusedMoEWithLoRA.set_lora` does after its reset; the expert kernels skip a 0)."""
+    module.adapter_enabled[index] = 1
+
+
+def adapter_is_3d(lora_model) -> bool:
+    """Whether an adapter was loaded as 3-D MoE weights (`LoRAModel.is_3d_lora_weight`, stamped
+    from its request); False for None."""
+    return bool(getattr(lora_model, "is_3d_lora_weight", False))

@@ -1,4 +1,13 @@
-"""Provenance under async scheduling: each batch carries the versions in force when scheduled.
+"""Each step's outputs carry the label of the weights that computed them.
+
+The source is the worker (`worker/forward_labels.py`): it records the label of its weights at
+the forward, under the lock a slot swap also takes, and returns it with the step's
+`ModelRunnerOutput`. What follows is EngineCore's own stamp, which is now the check: where the
+two differ the worker's label is used and the mismatch counted (`label_mismatches` in
+`/art/v1/engine`); on the executors the plugin serves on (`executor_guard`) they never do.
+Outputs of a worker that has not swapped yet carry no label: the stamp stands.
+
+Provenance under async scheduling: each batch carries the versions in force when scheduled.
 
 vLLM 0.32 stamps a step's outputs with `EngineCore._weight_version` when the outputs are made
 (`_attach_weight_version`, right after `scheduler.update_from_output`). With async scheduling
@@ -19,10 +28,14 @@ stream that computes them. The wrappers are applied by `art_vllm_plugin.install`
 
 from __future__ import annotations
 
+import logging
 import time
 
 from art_vllm_plugin import compat
 from art_vllm_plugin.engine_core.state import EngineCoreState, engine_state
+from art_vllm_plugin.worker.forward_labels import label_of
+
+logger = logging.getLogger(__name__)
 
 #: Batches whose output has not come back; more than a few means outputs were dropped.
 _MAX_PENDING = 64
@@ -39,7 +52,8 @@ def stamp_schedule(core, state: EngineCoreState):
         def stamped_schedule(*args, **kwargs):
             output = schedule(*args, **kwargs)
             s.scheduled += 1
-            s.pending[id(output)] = state.leases.extend(compat.engine_weight_label(core))
+            label = compat.engine_weight_label(core)
+            s.pending[id(output)] = (label, state.leases.extend(label))
             while len(s.pending) > _MAX_PENDING:
                 s.pending.popitem(last=False)
             return output
@@ -55,13 +69,37 @@ def label_update_from_output(state: EngineCoreState):
     def make(update_from_output):
         s = state.stamps
 
-        def labelled_update_from_output(scheduler_output, *args, **kwargs):
-            s.output_label = s.pending.pop(id(scheduler_output), None)
-            return update_from_output(scheduler_output, *args, **kwargs)
+        def labelled_update_from_output(scheduler_output, model_runner_output, *args, **kwargs):
+            stamp = s.pending.pop(id(scheduler_output), None)
+            s.output_label = batch_label(state, stamp, label_of(model_runner_output))
+            return update_from_output(scheduler_output, model_runner_output, *args, **kwargs)
 
         return labelled_update_from_output
 
     return make
+
+
+def batch_label(
+    state: EngineCoreState, stamp: tuple[str | None, str | None] | None, worker: str | None
+) -> str | None:
+    """The batch's label: the worker's, checked against the engine's stamp `(label, label
+    with leases)`; the stamp where the worker recorded none."""
+    s = state.stamps
+    if worker is None:
+        return stamp[1] if stamp is not None else None
+    s.worker_labelled += 1
+    if stamp is not None and stamp[0] == worker:
+        return stamp[1]
+    s.label_mismatches += 1
+    if s.label_mismatches == 1 or s.label_mismatches % 1000 == 0:
+        logger.warning(
+            "art: a batch stamped %r at scheduling was computed on %r (worker-recorded; "
+            "used); %d such batches so far",
+            stamp[0] if stamp is not None else None,
+            worker,
+            s.label_mismatches,
+        )
+    return state.leases.extend(worker)
 
 
 def before_first_request(stamp_scheduler):

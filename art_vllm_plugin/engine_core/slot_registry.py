@@ -8,10 +8,19 @@ versions, committed paths, digests, update counters, the recent `operation_id`s)
 API server reads it with a utility call. With data parallelism every engine holds an
 identical copy: an update commits on every engine or on none (`api_server/slot_publish.py`).
 
-Engine 0's registry also serialises updates across API servers: an update first *reserves*
-its slot there (`reserve`), which is where `operation_id` replay and `expected_version`
-compare-and-swap are decided atomically (utility calls run one at a time between engine
-steps). A reservation left by an API server that died is taken over after `RESERVATION_TTL_S`.
+Engine 0's registry also serialises the updates of one slot across API servers: an update
+first *reserves* its slot there (`reserve`), which is where `operation_id` replay and
+`expected_version` compare-and-swap are decided atomically (utility calls run one at a time
+between engine steps). Updates of different slots hold different reservations and run at the
+same time. A reservation left by an API server that died is taken over after
+`RESERVATION_TTL_S`.
+
+Every engine's registry also keeps two rules that outlive a failed update:
+- each version it ever committed stays bound to its digest (`version_digests`), so a label
+  never names two sets of weights;
+- a slot whose update failed with its state unknown (some worker could not restore its
+  weights) is *blocked* until a later update of it commits cleanly everywhere
+  (`finish(ok=True)`): requests on it are refused (`engine_core/blocked_slots.py`).
 
 Plain Python, no vLLM: it is unit-tested directly and used by `engine_core/slot_updates.py`.
 """
@@ -22,6 +31,8 @@ import copy
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
+
+from art_vllm_plugin.engine_core.version_digests import VersionDigests
 
 #: `operation_id`s remembered per slot (the oldest is forgotten first).
 OPERATIONS_PER_SLOT = 512
@@ -56,8 +67,12 @@ class SlotRegistry:
     slots: dict[str, SlotRecord] = field(default_factory=dict)
     #: slot -> operation_id -> (fingerprint, first successful response)
     operations: dict[str, OrderedDict] = field(default_factory=dict)
-    #: slot -> the update in progress (engine 0 only; at most one at a time)
+    #: slot -> the update of that slot in progress (engine 0 only; one per slot)
     reservations: dict[str, Reservation] = field(default_factory=dict)
+    #: slot -> why it is blocked (the update that left its state unknown)
+    blocked: dict[str, str] = field(default_factory=dict)
+    #: each committed version's digest, per slot
+    digests: VersionDigests = field(default_factory=VersionDigests)
     #: bumped on every change a reader could see
     generation: int = 0
 
@@ -81,7 +96,10 @@ class SlotRegistry:
     def snapshot(self) -> dict:
         return {
             "generation": self.generation,
-            "slots": {name: asdict(rec) for name, rec in self.slots.items()},
+            "slots": {
+                name: {**asdict(rec), "blocked": self.blocked.get(name)}
+                for name, rec in self.slots.items()
+            },
         }
 
     def version(self, slot: str) -> int:
@@ -105,16 +123,15 @@ class SlotRegistry:
         """Admit an update of `slot` or say why not: `busy` (another update of the slot is in
         progress: retry shortly), `replay` (this operation already succeeded: its response),
         `conflict` (operation id reused with another body, or expected_version mismatch),
-        `stale` (version not newer), `unknown` slot."""
+        `stale` (version not newer), `unknown` slot. Updates of other slots do not matter:
+        one update per slot at a time, any number of slots at once."""
         now = time.time() if now is None else now
         rec = self.slots.get(slot)
         if rec is None:
             return {"ok": False, "kind": "unknown", "error": f"unknown slot {slot!r}"}
-        # One update at a time per deployment, whatever the slot (as within one API server):
-        # workers keep one update's undo, so a second update must not interleave.
-        held = next(iter(self.reservations.values()), None)
+        held = self.reservations.get(slot)
         if held is not None and now - held.since > RESERVATION_TTL_S:
-            self.reservations.clear()
+            del self.reservations[slot]
             held = None
         if operation_id is not None:
             seen = self.operations[slot].get(operation_id)
@@ -131,7 +148,7 @@ class SlotRegistry:
             return {
                 "ok": False,
                 "kind": "busy",
-                "error": f"another update (slot {held.slot!r}) is in progress",
+                "error": f"another update of slot {slot!r} is in progress",
             }
         if expected_version is not None and expected_version != rec.version:
             return {
@@ -169,8 +186,22 @@ class SlotRegistry:
         return previous
 
     def revert(self, previous: SlotRecord) -> None:
+        """Put back the record a commit replaced; the version's digest binding stays."""
         self.slots[previous.name] = previous
         self.generation += 1
+
+    def block(self, slot: str, reason: str) -> None:
+        """`slot`'s weights are unknown after a failed update: refuse its requests."""
+        self.blocked[slot] = reason
+        self.generation += 1
+
+    def blocked_lora_ids(self) -> dict[int, str]:
+        """LoRA id -> why, for every blocked slot."""
+        return {
+            self.slots[name].lora_int_id: why
+            for name, why in self.blocked.items()
+            if name in self.slots
+        }
 
     def finish(
         self,
@@ -184,11 +215,14 @@ class SlotRegistry:
         elapsed_ms: float | None = None,
     ) -> None:
         """End of an update on this engine: remember a successful operation, count a failed
-        one, drop the reservation."""
+        one, drop the reservation. A success committed on every engine: the slot is no longer
+        blocked and its version is settled (`VersionDigests.settle`)."""
         rec = self.slots.get(slot)
         if rec is not None:
             if ok:
                 rec.last_update_ms = elapsed_ms
+                self.blocked.pop(slot, None)
+                self.digests.settle(slot, rec.version)
                 if operation_id is not None:
                     ops = self.operations[slot]
                     ops[operation_id] = (fingerprint, copy.deepcopy(response))

@@ -3,16 +3,19 @@
 Utility methods added to vLLM's `EngineCore`, called from the API server with
 `call_utility_async` (vLLM runs them in the busy loop between engine steps):
 
-1. `art_stage_lora_update(token, lora_int_id, name, stage_dir, version)`: asks every worker to
-   stage the adapter the API server validated and copied to `stage_dir`; each worker starts a
-   background thread and answers at once, so this call blocks the step loop for one RPC
-   round trip, whatever the adapter's size. The API server then waits for the workers'
-   markers in `stage_dir` (`art_vllm_plugin.staging`), with no engine call.
-2. `art_commit_lora_update(token, version)`: the swap. Every worker copies its staged tensors
-   into the slot (a memory copy, no file access); if any worker fails, the others put back
-   their previous weights within the same call (all-or-nothing), and the result says so. On
-   success the slot's version is bumped in the per-step label, and waiting requests of the
-   slot are re-salted (`cache_salting`).
+1. `art_stage_lora_update(token, lora_int_id, name, stage_dir, version, marker_dir, digest)`:
+   asks every worker to stage the adapter the API server validated and copied to `stage_dir`;
+   each worker starts a background thread and answers at once, so this call blocks the step
+   loop for one RPC round trip, whatever the adapter's size. The API server then waits for
+   the workers' markers in `stage_dir` (`art_vllm_plugin.staging`), with no engine call.
+   Refused when the version is not newer, or was committed here before with another digest
+   (`version_digests`).
+2. `art_commit_lora_update(token, path, digest, operation_id)`: the swap. Every worker copies
+   its staged tensors into the slot (a memory copy, no file access); if any worker fails, the
+   others put back their previous weights within the same call (all-or-nothing), and the
+   result says so; a failure some worker could not undo blocks the slot at once
+   (`blocked_slots`). On success the slot's version is bumped in the per-step label, bound to
+   its digest, and waiting requests of the slot are re-salted (`cache_salting`).
 3. `art_abort_lora_update(token)`: drops a staged update.
 
 The slot registry (`engine_core/slot_registry.py`: versions, committed paths, digests, recent
@@ -22,7 +25,13 @@ the update as a two-phase commit over every engine: `art_reserve_update` on engi
 (operation-id replay, compare-and-swap, one update per slot at a time across API servers);
 stage on every engine; commit on every engine; `art_revert_lora_update` undoes a commit on an
 engine when another engine failed to commit; `art_finish_update` records the outcome on every
-engine and ends the reservation.
+engine and ends the reservation; `art_block_slot` blocks a slot whose update left it unknown.
+
+Updates of different slots run at the same time, with one constraint here: a worker keeps the
+undo of every update committed and not yet finished, but forgets all of them when it starts
+staging (`worker/lora_slot_writer.py`). So while another slot's update is between its commit
+and its finish on this engine (it may still have to revert), staging answers `busy` and the
+API server asks again; that window is a few utility calls long.
 
 Running requests are neither aborted nor preempted. A token's version is the version of the
 weights that computed it: batches carry the label in force when they were scheduled
@@ -37,11 +46,15 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
+from art_protocol.digest import digest_dir
 from art_protocol.provenance import encode_versions
 from art_vllm_plugin import compat
-from art_vllm_plugin.engine_core import cache_salting
+from art_vllm_plugin.engine_core import blocked_slots, cache_salting
+from art_vllm_plugin.engine_core.slot_registry import RESERVATION_TTL_S
 from art_vllm_plugin.engine_core.state import (
     CommittedInEngine,
     SlotUpdates,
@@ -50,6 +63,17 @@ from art_vllm_plugin.engine_core.state import (
 )
 
 TEST_HOOKS_ENV = "ART_TEST_HOOKS"
+#: Test-only (`art_test_inject_fault(kind="unknown")`): engines whose next failed commit
+#: reports that its weights could not be restored.
+_UNRESTORED_FAULT: weakref.WeakSet = weakref.WeakSet()
+
+
+@dataclass
+class _Committed(CommittedInEngine):
+    """A commit not yet finished everywhere, and when it was made (an API server that died
+    between commit and finish leaves one behind; it is final after `RESERVATION_TTL_S`)."""
+
+    at: float = field(default_factory=time.monotonic)
 
 
 def _stale(state: SlotUpdates, lora_int_id: int, name: str, version: int) -> dict | None:
@@ -64,6 +88,18 @@ def _stale(state: SlotUpdates, lora_int_id: int, name: str, version: int) -> dic
     return None
 
 
+def _open_commits(state: SlotUpdates, lora_int_id: int) -> list[int]:
+    """LoRA ids of other slots committed here and not yet finished (they may still revert).
+
+    A leftover of this slot's own previous update is final: one slot's updates are serialised,
+    so the next one starts only after the previous one finished (or its API server died)."""
+    now = time.monotonic()
+    for token, done in list(state.committed.items()):
+        if done.lora_int_id == lora_int_id or now - getattr(done, "at", now) > RESERVATION_TTL_S:
+            del state.committed[token]
+    return sorted({done.lora_int_id for done in state.committed.values()})
+
+
 def art_stage_lora_update(
     self,
     token: str,
@@ -72,17 +108,33 @@ def art_stage_lora_update(
     stage_dir: str,
     version: int,
     marker_dir: str | None = None,
+    digest: str | None = None,
 ) -> dict:
     """`marker_dir`: where this engine's workers leave their markers (one directory per DP
-    engine, since every engine numbers its workers from 0); default `stage_dir`."""
+    engine, since every engine numbers its workers from 0); default `stage_dir`. `digest`: the
+    staged bytes' digest (the API server always sends it; computed from `stage_dir` if not)."""
     t0 = time.perf_counter()
-    state = engine_state(self).updates
+    engine = engine_state(self)
+    state = engine.updates
     if (stale := _stale(state, lora_int_id, name, version)) is not None:
         return stale
+    if digest is None:
+        try:
+            digest = digest_dir(stage_dir)
+        except OSError as exc:
+            return {"ok": False, "kind": "adapter", "error": f"cannot digest {stage_dir}: {exc}"}
+    if (why := engine.registry.digests.refusal(name, version, digest)) is not None:
+        return {"ok": False, "kind": "conflict", "error": why}
+    if open_ids := _open_commits(state, lora_int_id):
+        return {
+            "ok": False,
+            "kind": "busy",
+            "error": f"updates of LoRA ids {open_ids} are committing on this engine",
+        }
     ranks = compat.engine_executor(self).collective_rpc(
         "art_stage_lora_update", args=(token, lora_int_id, name, stage_dir, marker_dir)
     )
-    state.committed.clear()  # the previous update is final once the next one starts
+    engine.registry.digests.note_staged(name, token, digest)
     state.staged[token] = StagedInEngine(
         lora_int_id, name, version, list(ranks), time.perf_counter() - t0
     )
@@ -90,9 +142,15 @@ def art_stage_lora_update(
 
 
 def art_commit_lora_update(
-    self, token: str, path: str | None = None, digest: str | None = None
+    self,
+    token: str,
+    path: str | None = None,
+    digest: str | None = None,
+    operation_id: str | None = None,
 ) -> dict:
-    """The swap; a registered slot's record gets the committed `path` and `digest`."""
+    """The swap; a registered slot's record gets the committed `path` and `digest`, and the
+    version stays bound to that digest on this engine. A failure that some worker could not
+    undo blocks the slot here before this call returns (`blocked_slots`)."""
     t0 = time.perf_counter()
     engine = engine_state(self)
     state = engine.updates
@@ -103,7 +161,10 @@ def art_commit_lora_update(
         compat.engine_executor(self).collective_rpc("art_abort_lora_update", args=(token,))
         return stale
     executor = compat.engine_executor(self)
-    results = executor.collective_rpc("art_commit_lora_update", args=(token,))
+    # The label of the weights after the swap: each worker holds it beside them and reports it
+    # with every forward that uses them (worker/forward_labels.py).
+    label = encode_versions({**state.versions, staged.lora_int_id: staged.version})
+    results = executor.collective_rpc("art_commit_lora_update", args=(token, label))
     failed = [r for r in results if not r["ok"]]
     if failed:
         state.failed_commits += 1
@@ -113,17 +174,25 @@ def art_commit_lora_update(
         errors += "".join(
             f"; rank {r['rank']} rollback: {r['error']}" for r in rolled if not r["ok"]
         )
+        if self in _UNRESTORED_FAULT:
+            _UNRESTORED_FAULT.discard(self)
+            restored = False
+            errors += "; the restore is reported failed (test hook 'unknown')"
+        if not restored:
+            why = blocked_slots.reason(staged.name, staged.version, operation_id, errors)
+            blocked_slots.block(self, staged.name, why)
         return {"ok": False, "kind": "commit", "error": errors, "restored": restored}
+    digest = digest or engine.registry.digests.staged_digest(staged.name, token)
+    if digest is not None:
+        engine.registry.digests.bind(staged.name, staged.version, digest)
     previous_version = state.versions.get(staged.lora_int_id, 0)
     state.versions[staged.lora_int_id] = staged.version
     previous_record = None
     if staged.name in engine.registry.slots and path is not None:
         previous_record = engine.registry.commit(staged.name, staged.version, path, digest or "")
-    state.committed[token] = CommittedInEngine(
-        staged.lora_int_id, previous_version, previous_record
-    )
+    state.committed[token] = _Committed(staged.lora_int_id, previous_version, previous_record)
     state.updates += 1
-    compat.set_engine_weight_label(self, encode_versions(state.versions))
+    compat.set_engine_weight_label(self, label)
     resalted = cache_salting.resalt_waiting(self, staged.lora_int_id, state.versions)
     commit_s = time.perf_counter() - t0
     state.stalls_ms.append((staged.stall_s + commit_s) * 1000.0)
@@ -150,6 +219,9 @@ def art_revert_lora_update(self, token: str) -> dict:
     if done is None:
         return {"ok": True, "restored": False}  # nothing was committed here
     rolled = compat.engine_executor(self).collective_rpc("art_rollback_lora_update", args=(token,))
+    # Every worker committed this update here, so each must have had its undo to put back; one
+    # that had none (`restored: False`) still holds the new weights.
+    lost = [r for r in rolled if r["ok"] and not r.get("restored")]
     if done.previous_version:
         state.versions[done.lora_int_id] = done.previous_version
     else:
@@ -160,11 +232,18 @@ def art_revert_lora_update(self, token: str) -> dict:
     compat.set_engine_weight_label(self, encode_versions(state.versions))
     cache_salting.resalt_waiting(self, done.lora_int_id, state.versions)
     failed = [r for r in rolled if not r["ok"]]
-    return {
-        "ok": not failed,
-        "restored": not failed,
-        "error": "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed),
-    }
+    errors = [f"rank {r['rank']}: {r['error']}" for r in failed]
+    errors += [f"rank {r['rank']}: no undo left to restore" for r in lost]
+    return {"ok": not errors, "restored": not errors, "error": "; ".join(errors)}
+
+
+def art_block_slot(self, slot: str, version: int, operation_id: str | None, error: str) -> dict:
+    """Block `slot` here: its update to `version` failed with the slot's state unknown. Its
+    requests end with an error and new ones are refused until an update commits everywhere."""
+    ended = blocked_slots.block(
+        self, slot, blocked_slots.reason(slot, version, operation_id, error)
+    )
+    return {"ok": True, "ended_requests": ended}
 
 
 def art_registry_register(self, slots: list[dict]) -> dict:
@@ -225,9 +304,16 @@ def art_abort_lora_update(self, token: str) -> bool:
 
 
 def art_test_inject_fault(self, kind: str, rank: int) -> bool:
-    """Test-only hook, refused unless the server runs with ART_TEST_HOOKS=1."""
+    """Test-only hook, refused unless the server runs with ART_TEST_HOOKS=1. Kinds "commit"
+    and "stage" arm worker `rank` (`worker/lora_slot_writer.py`). Kind "unknown": worker `rank`
+    fails its next commit as with "commit", and this engine then reports that the restore
+    failed, as when a worker cannot put its weights back: the update's state is unknown
+    (503) and the slot is blocked."""
     if os.environ.get(TEST_HOOKS_ENV) != "1":
         raise PermissionError(f"test hooks are off (set {TEST_HOOKS_ENV}=1 to enable)")
+    if kind == "unknown":
+        _UNRESTORED_FAULT.add(self)
+        kind = "commit"
     compat.engine_executor(self).collective_rpc("art_test_inject_fault", args=(kind, rank))
     return True
 
@@ -258,9 +344,14 @@ def art_slot_state(self) -> dict[str, Any]:
         "batch_queue_size": compat.engine_batch_queue_size(self),
         "updates": state.updates,
         "failed_commits": state.failed_commits,
+        "blocked": dict(engine.registry.blocked),
         "label": compat.engine_weight_label(self),
         "waiting": sum(1 for _ in compat.waiting_requests(compat.engine_scheduler(self))),
         "stalls_ms": list(state.stalls_ms),
         "commit_stalls_ms": list(state.commit_stalls_ms),
         "mean_step_ms": s.mean_step_ms(),
+        # Outputs labelled by their worker at the forward, and how many of those the
+        # engine's stamp disagreed with (worker/forward_labels.py; 0 on tested executors).
+        "worker_labelled": s.worker_labelled,
+        "label_mismatches": s.label_mismatches,
     }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from art_protocol.provenance import PREFIX, decode_versions, encode_versions
 from art_vllm_plugin import compat
@@ -54,8 +55,14 @@ class BatchStamps:
 
     scheduled: int = 0  # batches scheduled so far
     completed: int = 0  # batches whose outputs were made
-    pending: OrderedDict[int, str] = field(default_factory=OrderedDict)  # id(output) -> label
+    #: id(scheduler output) -> (the engine's label when scheduled, that label with leases)
+    pending: OrderedDict[int, tuple[str | None, str | None]] = field(default_factory=OrderedDict)
     output_label: str | None = None
+    #: Outputs whose label the worker recorded at the forward, and how many of those differed
+    #: from the engine's stamp (the worker's label is used; nonzero means the executor
+    #: reordered a swap and a forward).
+    worker_labelled: int = 0
+    label_mismatches: int = 0
     last_output_t: float | None = None
     busy_step_s: float = 0.0  # sum of intervals between consecutive outputs while busy
     busy_steps: int = 0
@@ -101,6 +108,10 @@ class EngineCoreState:
     #: layers vLLM's native capture has a slot for; None until the busy loop starts.
     route_layers: list[int] | None = None
     route_total_layers: int = 0
+    #: The engine's `/art/metrics` figures pusher (`figures_push`), None with one API server;
+    #: decided at the first step.
+    figures: Any = None
+    figures_decided: bool = False
 
 
 def engine_state(core) -> EngineCoreState:

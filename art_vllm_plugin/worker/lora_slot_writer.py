@@ -3,15 +3,19 @@
 Added to vLLM's worker class as methods that EngineCore calls with `collective_rpc`:
 
 - `art_stage_lora_update(token, lora_int_id, name, stage_dir)`: starts a background thread
-  that reads the staged copy of the adapter with vLLM's own loader (so vLLM's checks apply),
-  packs it as registration would, checks every module's A/B against the slot's stacked
-  tensors and, on a GPU, copies it to the device on a side stream. The call returns at once;
+  that reads the staged copy of the adapter with vLLM's own loader (so vLLM's checks apply,
+  with the slot's `is_3d_lora_weight`), packs it as registration would, cuts this rank's
+  tensor-parallel shard of every layer on the host and checks it against the slot's stacked
+  tensors (`slot_writes`, `slot_layout`; expert layers: `moe_slot_layout`) and, on a GPU,
+  copies that shard alone to the device on a side stream. The call returns at once;
   the thread leaves `ready.<rank>` / `failed.<rank>` in the stage directory
   (`art_vllm_plugin.staging`). Nothing the model uses is touched.
-- `art_commit_lora_update(token)`: the swap, between two engine steps. The staged model
+- `art_commit_lora_update(token, label)`: the swap, between two engine steps, under the
+  weights lock a forward also holds; the worker's label becomes `label` with it. The staged model
   becomes the slot's *committed* model (see below), replaces the CPU-cache entry, and, if the
-  id is active at a stacked index, is copied into that same index (`set_lora`, keeping the
-  punica mapping of running requests valid). A failure restores this worker's previous
+  id is active at a stacked index, is copied into that same index (what `set_lora` writes,
+  keeping the punica mapping of running requests valid; staged device tensors stay held
+  until those copies ran: `staged_copies`). A failure restores this worker's previous
   weights before it answers. Never raises: returns `{"ok", "rank", "error", "restored"}`, so
   EngineCore sees every worker's answer (a raising worker would leave the other workers'
   answers unread in vLLM's response queues).
@@ -33,10 +37,12 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from typing import Any
 
 from art_vllm_plugin import compat, staging
 from art_vllm_plugin.compat import patches
+from art_vllm_plugin.compat.worker import adapter_is_3d
+from art_vllm_plugin.worker import slot_writes, staged_copies
+from art_vllm_plugin.worker.slot_writes import SlotWrites
 from art_vllm_plugin.worker.state import StagedUpdate, Undo, lora_manager_state, worker_state
 
 #: Test-only fault hook: set only when the server runs with ART_TEST_HOOKS=1 (see
@@ -45,78 +51,14 @@ from art_vllm_plugin.worker.state import StagedUpdate, Undo, lora_manager_state,
 TEST_HOOKS_ENV = "ART_TEST_HOOKS"
 
 
-class LoraUpdateError(ValueError):
-    """The adapter does not fit the slot; the message names module and tensor."""
-
-
-def _as_list(x) -> list:
-    return x if isinstance(x, list) else [x]
-
-
-def _as_written(module, lora_a, lora_b) -> tuple[list, list]:
-    """A/B as `set_lora` writes them into this worker's stacked tensors: packed groups
-    expanded to the layer's slices, then this rank's tensor-parallel shard."""
-    if isinstance(lora_b, list) and len(lora_b) != getattr(module, "n_slices", len(lora_b)):
-        lora_a, lora_b = module.expand_packed_lora(lora_a, lora_b)
-    if getattr(module, "tp_size", 1) > 1:
-        lora_a, lora_b = module.slice_lora_a(lora_a), module.slice_lora_b(lora_b)
-    return _as_list(lora_a), _as_list(lora_b)
-
-
-def _check_fits(manager, lora_model) -> None:
-    for module_name, module in compat.lora_modules(manager).items():
-        weights = compat.module_lora_weights(manager, lora_model, module_name)
-        if not weights:
-            continue
-        a_list, b_list = _as_written(module, weights.lora_a, weights.lora_b)
-        for i, (a, b) in enumerate(zip(a_list, b_list, strict=False)):
-            if a is None or b is None:
-                continue
-            a_slot = module.lora_a_stacked[i].shape  # [max_loras, 1, max_rank, in]
-            b_slot = module.lora_b_stacked[i].shape  # [max_loras, 1, out, max_rank]
-            if a.shape[0] > a_slot[2] or a.shape[1] != a_slot[3]:
-                raise LoraUpdateError(
-                    f"{module_name} slice {i}: lora_A shape {tuple(a.shape)} does not fit the "
-                    f"slot (rank <= {a_slot[2]}, in_features {a_slot[3]})"
-                )
-            if b.shape[0] != b_slot[2] or b.shape[1] > b_slot[3]:
-                raise LoraUpdateError(
-                    f"{module_name} slice {i}: lora_B shape {tuple(b.shape)} does not fit the "
-                    f"slot (out_features {b_slot[2]}, rank <= {b_slot[3]})"
-                )
-            for name, t, slot_t in (
-                ("lora_A", a, module.lora_a_stacked[i]),
-                ("lora_B", b, module.lora_b_stacked[i]),
-            ):
-                if t.dtype != slot_t.dtype:
-                    raise LoraUpdateError(
-                        f"{module_name} slice {i}: {name} dtype {t.dtype} differs from the "
-                        f"slot's {slot_t.dtype}"
-                    )
-
-
-def _to_device(manager, lora_model) -> dict[str, tuple[Any, Any]] | None:
-    """On a GPU, copy the packed weights to the device on a side stream, so the commit's
-    `set_lora` is a device-to-device copy; None on CPU (the CPU copy is already in place)."""
+def _stage_writes(manager, lora_model) -> SlotWrites:
+    """This rank's writes, checked against the slots; on a GPU copied to the device on a
+    side stream (this rank's shards only), so the commit's writes are device-to-device."""
+    writes = slot_writes.plan(manager, lora_model)
     device = compat.lora_device(manager)
-    if getattr(device, "type", "cpu") != "cuda":
-        return None
-    import torch
-
-    def move(x):
-        if isinstance(x, list):
-            return [None if t is None else t.to(device, non_blocking=True) for t in x]
-        return x.to(device, non_blocking=True)
-
-    out: dict[str, tuple[Any, Any]] = {}
-    stream = torch.cuda.Stream(device=device)
-    with torch.cuda.stream(stream):
-        for name in compat.lora_modules(manager):
-            w = compat.module_lora_weights(manager, lora_model, name)
-            if w:
-                out[name] = (move(w.lora_a), move(w.lora_b))
-    stream.synchronize()
-    return out
+    if getattr(device, "type", "cpu") == "cuda":
+        writes = staged_copies.copy_to_device(writes, device)
+    return writes
 
 
 def _read_staged_files(worker_manager, request):
@@ -136,8 +78,8 @@ def _stage(worker, staged: StagedUpdate, request, marker_dir: str, rank: int) ->
         manager = compat.adapter_model_manager(worker_manager)
         model = _read_staged_files(worker_manager, request)
         compat.pack_adapter(manager, model)
-        _check_fits(manager, model)
-        staged.device_weights = _to_device(manager, model)
+        # What the commit writes (`state.StagedUpdate.device_weights` holds the SlotWrites).
+        staged.device_weights = _stage_writes(manager, model)
         staged.model = model
         ok, message = True, ""
     except BaseException as exc:  # reported through the marker; the worker keeps serving
@@ -181,27 +123,53 @@ def art_stage_lora_update(
 ) -> int:
     """Start staging the adapter in `stage_dir`; the marker goes to `marker_dir` (one per DP
     engine; default `stage_dir`)."""
+    staged_copies.IN_FLIGHT.release_done()
     slots = worker_state(self)
     slots.undo.clear()  # the previous update is final once the next one starts
     rank = compat.worker_rank(self)
-    request = compat.lora_request(lora_name=lora_name, lora_int_id=lora_int_id, lora_path=stage_dir)
+    request = compat.lora_request(
+        lora_name=lora_name,
+        lora_int_id=lora_int_id,
+        lora_path=stage_dir,
+        is_3d_lora_weight=_slot_is_3d(self, lora_int_id),
+    )
     staged = StagedUpdate(lora_int_id)
     slots.staged[token] = staged
     _stager(self).put((self, staged, request, marker_dir or stage_dir, rank))
     return rank
 
 
-def _write_slot(manager, index: int, lora_model, device_weights) -> None:
+def _slot_is_3d(worker, lora_int_id: int) -> bool:
+    """The slot's MoE layout flag (`is_3d_lora_weight`), from the version this worker holds:
+    vLLM stamps it from the slot's request on every load, and a new version has the layout of
+    the one it replaces (the API server checks its tensors against the slot's). False when
+    the worker holds no version of the id (vLLM's default), or has no LoRA (the staging
+    thread reports that)."""
+    try:
+        manager = compat.adapter_model_manager(compat.worker_lora_manager(worker))
+    except RuntimeError:
+        return False
+    held = worker_state(worker).committed.get(lora_int_id)
+    if held is None:
+        held = compat.registered_adapter(manager, lora_int_id)
+    return adapter_is_3d(held)
+
+
+def _write_slot(manager, index: int, lora_model, writes: SlotWrites | None) -> None:
+    """Staged writes (`slot_writes`), or a version put back: vLLM's `set_lora` with its
+    weights, as `activate_adapter` writes them."""
+    if writes is not None:
+        slot_writes.write(manager, index, writes)
+        return
     for module_name, module in compat.lora_modules(manager).items():
         weights = compat.module_lora_weights(manager, lora_model, module_name)
         if not weights:
             module.reset_lora(index)
             continue
-        a, b = (device_weights or {}).get(module_name, (weights.lora_a, weights.lora_b))
-        module.set_lora(index, a, b)
+        module.set_lora(index, weights.lora_a, weights.lora_b)
 
 
-def _install_version(worker, lora_int_id: int, committed, registered, device_weights=None):
+def _install_version(worker, lora_int_id: int, committed, registered, writes=None):
     """Make `committed` the id's weights everywhere on this worker (None: forget the id)."""
     state = worker_state(worker)
     worker_manager = compat.worker_lora_manager(worker)
@@ -215,12 +183,29 @@ def _install_version(worker, lora_int_id: int, committed, registered, device_wei
         compat.replace_registered_adapter(manager, lora_int_id, registered)
     index = compat.lora_slot_index(manager, lora_int_id)
     if index is not None and registered is not None:
-        _write_slot(manager, index, registered, device_weights)
+        _write_slot(manager, index, registered, writes)
     return index
 
 
-def art_commit_lora_update(self, token: str) -> dict:
+def _hold_until_copied(manager, writes: SlotWrites | None) -> None:
+    """Staged device tensors the commit's queued copies read stay referenced until those
+    copies ran (`staged_copies`); host tensors need nothing."""
+    if writes is not None and writes.device_bytes:
+        done = staged_copies.copies_done_marker(compat.lora_device(manager))
+        staged_copies.IN_FLIGHT.hold(slot_writes.tensors(writes), done)
+
+
+def art_commit_lora_update(self, token: str, label: str | None = None) -> dict:
+    """`label`: the policy label of the weights after this commit (EngineCore's encoding of
+    every slot's version); the worker's forwards report it from the next one on
+    (`forward_labels`). The swap holds the weights lock, so no forward runs inside it."""
+    staged_copies.IN_FLIGHT.release_done()
     slots = worker_state(self)
+    with slots.weights_lock:
+        return _commit(self, slots, token, label)
+
+
+def _commit(self, slots, token: str, label: str | None) -> dict:
     rank = compat.worker_rank(self)
     staged = slots.staged.pop(token, None)
     if staged is None or staged.model is None:
@@ -229,7 +214,7 @@ def art_commit_lora_update(self, token: str) -> dict:
     lid = staged.lora_int_id
     worker_manager = compat.worker_lora_manager(self)
     manager = compat.adapter_model_manager(worker_manager)
-    undo = Undo(lid, slots.committed.get(lid), compat.registered_adapter(manager, lid))
+    undo = Undo(lid, slots.committed.get(lid), compat.registered_adapter(manager, lid), slots.label)
     try:
         registered = staged.model if undo.registered is not None else None
         index = _install_version(self, lid, staged.model, registered, staged.device_weights)
@@ -242,29 +227,38 @@ def art_commit_lora_update(self, token: str) -> dict:
             restored = True
         except Exception:
             restored = False
+        _hold_until_copied(manager, staged.device_weights)
         return {
             "ok": False,
             "rank": rank,
             "error": f"{type(exc).__name__}: {exc}",
             "restored": restored,
         }
+    _hold_until_copied(manager, staged.device_weights)
+    if label is not None:
+        slots.label = label
     slots.undo[token] = undo
     return {"ok": True, "rank": rank, "index": index}
 
 
 def art_rollback_lora_update(self, token: str) -> dict:
+    staged_copies.IN_FLIGHT.release_done()
     rank = compat.worker_rank(self)
-    undo = worker_state(self).undo.pop(token, None)
-    if undo is None:
-        return {"ok": True, "rank": rank, "restored": False}  # nothing was committed here
-    try:
-        _install_version(self, undo.lora_int_id, undo.committed, undo.registered)
-    except Exception as exc:
-        return {"ok": False, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
+    slots = worker_state(self)
+    with slots.weights_lock:
+        undo = slots.undo.pop(token, None)
+        if undo is None:
+            return {"ok": True, "rank": rank, "restored": False}  # nothing was committed here
+        try:
+            _install_version(self, undo.lora_int_id, undo.committed, undo.registered)
+        except Exception as exc:
+            return {"ok": False, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
+        slots.label = undo.label
     return {"ok": True, "rank": rank, "restored": True}
 
 
 def art_abort_lora_update(self, token: str) -> bool:
+    staged_copies.IN_FLIGHT.release_done()
     return worker_state(self).staged.pop(token, None) is not None
 
 

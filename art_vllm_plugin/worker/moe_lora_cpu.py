@@ -15,6 +15,14 @@ only, and refuses what it cannot serve, each with its own message:
 
 Scope: installed by `install.install_worker` on the CPU platform (the art plugin is
 selected); elsewhere vLLM's own LoRA experts serve.
+
+Not even Model Runner V2 under Triton's interpreter lifts this (measured with vLLM 0.32's CPU
+build, tiny Qwen3-MoE, `--enable-lora`, no plugin): the server starts with the Triton LoRA
+experts, and the first forward dies in `moe_align_block_size`, a CUDA op (`_moe_C`) the CPU
+build does not have; the LoRA path behind it needs `_moe_C.moe_lora_align_block_size` and the
+punica wrapper's `add_lora_w13` / `add_lora_w2`, which `PunicaWrapperCPU` leaves unimplemented.
+How an update writes expert LoRA on a GPU is tested on vLLM's own expert LoRA layers, built on
+CPU and never run (`tests/art_vllm_plugin/worker/test_expert_adapter_update.py`).
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ class Undo:
     lora_int_id: int
     committed: Any
     registered: Any
+    #: The worker's label before the commit (put back with the weights).
+    label: str | None = None
 
 
 @dataclass
@@ -47,6 +49,12 @@ class WorkerState:
     stage_jobs: queue.SimpleQueue | None = None
     #: Route capture of this worker's V1 runner (`--art-routes`), once its model is loaded.
     routes: Any = None
+    #: Held by a forward and by a slot swap: neither runs inside the other (`forward_labels`).
+    weights_lock: threading.RLock = field(default_factory=threading.RLock)
+    #: The policy label of the weights this worker holds now; None: the start weights.
+    label: str | None = None
+    #: The label the last forward ran with (its sampled output carries it).
+    forward_label: str | None = None
 
 
 def worker_state(worker_or_runner) -> WorkerState:

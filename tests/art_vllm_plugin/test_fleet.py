@@ -232,8 +232,8 @@ def test_fleet_publishes_quarantines_and_reconciles(replicas, tiny_adapters):
         assert view.agreed and set(view.versions.values()) == {last_version}
         last = adapters[N_VERSIONS % 2]
         for url in urls:
-            # Servers that report digests (issue 14 item 4) must report the published one.
-            assert view.digests[url] in (None, digests[last])
+            # Every replica shows the published bytes: a version is current with its digest.
+            assert view.digests[url] == digests[last] == view.target_digest
             assert served_versions(url, last_version) == {last_version}
         # A second reconcile finds nothing to do.
         assert fleet.reconcile().updates == ()

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.serve
 
 #: Short backoff: these tests count attempts, they do not wait for a real outage to end.
 FAST = RetryPolicy(deadline_s=120.0, backoff_initial_s=0.01, backoff_max_s=0.05)
+#: The digest sent with a path this process cannot read (the fleet would otherwise digest it).
+SOME_DIGEST = "xxh3-128:" + "0" * 32
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def test_connection_refused_is_retried_up_to_max_attempts_then_quarantined():
     url = closed_url()
     policy = RetryPolicy(deadline_s=120.0, backoff_initial_s=0.01, max_attempts=3)
     with Fleet([url], config=FleetConfig(retry=policy)) as fleet:
-        res = fleet.publish("policy", "/nowhere", 1)
+        res = fleet.publish("policy", "/nowhere", 1, digest=SOME_DIGEST)
         (r,) = res.replicas
         assert r.outcome is Outcome.FAILED and not res.ok
         assert r.attempts == 3
@@ -65,7 +67,7 @@ def test_deadline_stops_retries():
     url = closed_url()
     policy = RetryPolicy(deadline_s=0.3, backoff_initial_s=0.05, backoff_max_s=0.05)
     with Fleet([url], config=FleetConfig(retry=policy)) as fleet:
-        (r,) = fleet.publish("policy", "/nowhere", 1).replicas
+        (r,) = fleet.publish("policy", "/nowhere", 1, digest=SOME_DIGEST).replicas
         assert r.outcome is Outcome.FAILED
         assert r.attempts >= 1
         assert "stopped by the deadline" in r.error

@@ -148,6 +148,22 @@ def test_update_mid_generation_switches_at_the_update_step(server, art, versions
     assert preemptions(server) == p0, "no request may be preempted by an update"
 
 
+def test_step_labels_come_from_the_workers_and_agree_with_the_engine(
+    server, art, versions, tiny_adapters
+):
+    """After an update every step carries the label its worker recorded at the forward
+    (worker/forward_labels.py), and that label is the one the spans report; on this executor
+    (multiprocessing) EngineCore's own stamp never disagrees with it."""
+    version = art.update("policy", tiny_adapters / "b", versions())["version"]
+    before = httpx.get(server.url + "/art/v1/engine", timeout=60).json()
+    out = complete(server, max_tokens=12)
+    after = httpx.get(server.url + "/art/v1/engine", timeout=60).json()
+    assert after["worker_labelled"] - before["worker_labelled"] >= 12
+    assert after["label_mismatches"] == 0
+    spans = validate_spans(out["choices"][0], 12, latest_version=version)
+    assert [(s["slot"], s["version"]) for s in spans] == [("policy", version)]
+
+
 def test_update_with_n4_gives_each_choice_its_spans(server, art, versions, tiny_adapters):
     reset = _reset_to(art, tiny_adapters / "a", versions)
     reset()

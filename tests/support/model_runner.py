@@ -10,7 +10,8 @@ runs the servers on the V1 runner; `make test-serve-v1` runs the named V1 subset
 back to where MRV2 lacks a feature.
 
 The variables go into this pytest process's environment (and the Triton paths onto its
-`sys.path`) at start, so every server a test starts inherits them (`serve_process.start`, the example loop's server, restarts). Only the
+`sys.path`) at start, so every server a test starts inherits them (`serve_process.start`, the
+example loop's server, restarts), and an in-process EngineCore runs the same runner. Only the
 serve side sets them (vLLM importable); the train suite never sees them.
 """
 

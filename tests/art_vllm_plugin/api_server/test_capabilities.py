@@ -10,11 +10,11 @@ import re
 import httpx
 import psutil
 import pytest
+from support import model_runner
 
 from art_vllm_plugin import serve_process
 from art_vllm_plugin.engine_core.core_pinning import CpuLayoutConfig, plan
 from art_vllm_plugin.version import __version__
-from support import model_runner
 
 
 @pytest.fixture(scope="module")

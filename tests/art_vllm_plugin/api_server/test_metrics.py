@@ -34,6 +34,7 @@ FIELDS = {
     "slots",
     "updates_total",
     "failed_updates_total",
+    "engines",
 }
 
 
@@ -71,7 +72,13 @@ def test_snapshot_reports_engine_activity(server):
     generate(server)
     snap = get(server, "/art/metrics").json()
     assert set(snap) >= FIELDS
-    assert snap["schema_version"] == 3
+    assert snap["schema_version"] == 4
+    # one engine: its entry is the deployment
+    (engine,) = snap["engines"]
+    assert engine["engine"] == 0
+    assert {k: v for k, v in engine.items() if k not in ("engine", "age_s")} == {
+        k: snap[k] for k in engine if k not in ("engine", "age_s")
+    }
     assert snap["max_num_seqs"] == MAX_NUM_SEQS and snap["max_num_batched_tokens"] > 0
     assert snap["num_waiting_for_capacity"] == 0 and snap["num_waiting_deferred"] == 0
     assert snap["idle"] is True  # every request above has finished

@@ -1,6 +1,6 @@
 """`POST /art/v1/lora/update`'s contract on one engine: `operation_id` replay, compare-and-swap
 with `expected_version`, the adapter digest, receipts, and the slot registry read from
-EngineCore (`/art/v1/slots`, `/art/metrics` schema 3).
+EngineCore (`/art/v1/slots`, `/art/metrics` schema 4).
 
 The shared plain plugin server (`policy` handed over on adapter a). "Not re-applied" is read
 from EngineCore itself (`/art/v1/engine` counts the commits it made).
@@ -89,7 +89,7 @@ def test_response_has_one_receipt_and_the_digest(server, tiny_adapters):
     s = slot(server)
     assert (s["version"], s["digest"]) == (v, digest)
     metrics = httpx.get(server.url + "/art/metrics", timeout=60).json()
-    assert metrics["schema_version"] == 3
+    assert metrics["schema_version"] == 4
     assert metrics["slots"]["policy"]["digest"] == digest
     assert metrics["slots"]["policy"]["version"] == v
 

@@ -6,6 +6,10 @@ worker, and by default two API-server processes) runs on this CPU host, so these
 - requests served by either engine carry the right tokens and spans;
 - a staging (prepare) failure on one engine, and a commit failure on one engine after the other
   committed, leave both engines on the old version (test-only fault hook, `ART_TEST_HOOKS=1`);
+- a version engine 0 committed before reverting stays bound to its digest: the same version
+  with other bytes is refused (409), the same bytes commit;
+- an update left unknown on one engine blocks the slot on both (503 through both API servers)
+  until a clean update;
 - both API servers answer `/art/v1/slots` identically and validate aliases the same way right
   after an update returned through the other one; replay and compare-and-swap hold across them.
 
@@ -268,3 +272,66 @@ def test_an_operation_replayed_through_the_other_api_server_is_not_reapplied(
     assert again.status_code == 200, again.text
     assert again.json() == {**first.json(), "replayed": True}
     assert slots(b)["policy"] == updates
+
+
+def test_a_version_one_engine_committed_stays_bound_to_its_digest(api_servers, tiny_adapters):
+    """Engine 0 commits v+1 (adapter b) and reverts when engine 1 fails: the slot is back on v
+    and v+1 is admitted again, but tokens labelled v+1 came from b's weights on engine 0. So
+    v+1 with another digest is refused (409 naming the version and both digests), through
+    either API server, and v+1 with b's digest (a retry) commits."""
+    a, b = api_servers
+    v = version(a) + 1
+    assert (
+        post_update(a, slot="policy", path=str(tiny_adapters / "a"), version=v).status_code == 200
+    )
+    digest_a, digest_b = digest_dir(tiny_adapters / "a"), digest_dir(tiny_adapters / "b")
+    _arm(a, "commit", 1)
+    failed = post_update(a, slot="policy", path=str(tiny_adapters / "b"), version=v + 1)
+    assert failed.status_code == 500, failed.text
+    assert "engines [0] reverted" in failed.json()["error"]["message"]
+    both_engines_at(a, v, digest_a)
+
+    for client in (a, b):
+        other = post_update(client, slot="policy", path=str(tiny_adapters / "a"), version=v + 1)
+        assert other.status_code == 409, other.text
+        msg = other.json()["error"]["message"]
+        assert f"version {v + 1} of slot 'policy'" in msg and digest_b in msg and digest_a in msg
+        both_engines_at(client, v, digest_a)  # refused: nothing changed anywhere
+
+    retry = post_update(b, slot="policy", path=str(tiny_adapters / "b"), version=v + 1)
+    assert retry.status_code == 200, retry.text
+    both_engines_at(a, v + 1, digest_b)
+
+
+def test_an_update_left_unknown_blocks_the_slot_on_every_engine_until_a_clean_update(
+    server, api_servers, tiny_adapters
+):
+    """Engine 1 fails its commit and reports its restore failed (test hook "unknown"): 503, and
+    the slot is blocked on both engines. A new request on it through either API server is
+    refused with 503 naming the failed update, whichever engine gets it: the API server that
+    did not run the update learns it from the engine, not from its own copy of the registry.
+    The other slot keeps serving; a clean update unblocks."""
+    a, b = api_servers
+    v = version(a)
+    op = f"dp-unknown-{time.time_ns()}"
+    _arm(a, "unknown", 1)
+    upd = post_update(
+        a, slot="policy", path=str(tiny_adapters / "b"), version=v + 1, operation_id=op
+    )
+    assert upd.status_code == 503, upd.text
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    for client in (a, b):
+        for _ in range(2):  # vLLM balances new requests over the engines
+            resp = client.post("/v1/completions", json={**body, "model": "policy"})
+            assert resp.status_code == 503, resp.text
+            msg = resp.json()["error"]["message"]
+            assert f"update to version {v + 1}" in msg and op in msg, msg
+        assert client.post("/v1/completions", json={**body, "model": "ref_b"}).status_code == 200
+        assert op in slots(client)["policy"]["blocked"]
+    # Engine 0 committed v+1 with b's bytes before it reverted: v+1 stays bound to them.
+    ok = post_update(b, slot="policy", path=str(tiny_adapters / "b"), version=v + 1)
+    assert ok.status_code == 200, ok.text
+    for client in (a, b):
+        assert slots(client)["policy"]["blocked"] is None
+        resp = client.post("/v1/completions", json={**body, "model": "policy"})
+        assert resp.status_code == 200, resp.text

@@ -1,5 +1,6 @@
-"""EngineCore's slot registry: admission (replay, compare-and-swap, one update at a time),
-committed state, revert, and the bounded operation log.
+"""EngineCore's slot registry: admission (replay, compare-and-swap, one update per slot at a
+time, different slots at once), committed state, revert, the bounded operation log, each
+committed version bound to its digest, and blocked slots.
 
 The registry is plain Python (it runs inside EngineCore); the real-server behaviour built on
 it is tested in `tests/art_vllm_plugin/api_server/test_update_contract.py` and
@@ -57,12 +58,12 @@ def test_expected_version_mismatch_names_both_versions():
     assert "expected_version 0" in res["error"] and "current version is 1" in res["error"]
 
 
-def test_one_update_at_a_time_and_a_retry_of_it_waits():
+def test_one_update_per_slot_at_a_time_and_a_retry_of_it_waits():
     r = registry()
     r.register([{"name": "other", "lora_int_id": 2, "path": "/o", "digest": D0}])
     assert r.reserve("t1", "policy", 1, 0, "op", "fp")["ok"]
-    assert r.reserve("t2", "policy", 1, 0, "op2", "fp")["kind"] == "busy"
-    assert r.reserve("t3", "other", 1, None, None, None)["kind"] == "busy"  # any slot
+    busy = r.reserve("t2", "policy", 1, 0, "op2", "fp")
+    assert busy["kind"] == "busy" and "slot 'policy'" in busy["error"]
     assert r.reserve("t4", "policy", 1, 0, "op", "fp")["kind"] == "busy"  # same op: wait
     finish_ok(r, "t1", 1, "op", "fp")
     assert r.reserve("t4", "policy", 1, 0, "op", "fp")["kind"] == "replay"
@@ -102,3 +103,68 @@ def test_operation_log_keeps_the_last_ids_per_slot():
         finish_ok(r, f"t{v}", v, f"op{v}", "fp")
     ops = r.operations["policy"]
     assert len(ops) == n and "op1" not in ops and f"op{n + 1}" in ops
+
+
+def test_updates_of_different_slots_are_admitted_at_the_same_time():
+    r = registry()
+    r.register([{"name": "other", "lora_int_id": 2, "path": "/o", "digest": D0}])
+    assert r.reserve("t1", "policy", 1, None, None, None)["ok"]
+    assert r.reserve("t2", "other", 1, None, None, None)["ok"]
+    assert set(r.reservations) == {"policy", "other"}
+    r.finish("t2", "other", ok=False)
+    assert set(r.reservations) == {"policy"}  # each update ends only its own reservation
+    assert r.reserve("t3", "other", 1, None, None, None)["ok"]
+
+
+def test_a_dead_reservation_expires_without_touching_other_slots():
+    r = registry()
+    r.register([{"name": "other", "lora_int_id": 2, "path": "/o", "digest": D0}])
+    assert r.reserve("t1", "policy", 1, None, None, None, now=1000.0)["ok"]
+    later = 1000.0 + slot_registry.RESERVATION_TTL_S + 1
+    assert r.reserve("t2", "other", 1, None, None, None, now=later - 2)["ok"]
+    assert r.reserve("t3", "policy", 1, None, None, None, now=later)["ok"]
+    assert r.reservations["other"].token == "t2"
+
+
+def test_a_committed_version_stays_bound_to_its_digest_after_a_revert():
+    """A DP revert puts the version back; the label it used keeps naming the same bytes."""
+    r = registry()
+    previous = r.commit("policy", 1, "/v1", D1)
+    r.digests.bind("policy", 1, D1)
+    r.revert(previous)
+    assert r.snapshot()["slots"]["policy"]["version"] == 0
+    assert r.reserve("t1", "policy", 1, None, None, None)["ok"]  # admitted: 1 is newer than 0
+    why = r.digests.refusal("policy", 1, D0)
+    assert why is not None and "version 1" in why and D1 in why and D0 in why
+    assert r.digests.refusal("policy", 1, D1) is None  # the same bytes may be retried
+    assert r.digests.refusal("policy", 2, D0) is None  # a new version may carry anything
+    assert r.digests.refusal("other", 1, D0) is None  # per slot
+
+
+def test_bindings_below_a_settled_version_are_dropped():
+    r = registry()
+    for v in (1, 2, 3):
+        r.digests.bind("policy", v, D1)
+    r.digests.bind("policy", 2, D0)  # the first binding stays
+    assert r.digests.bound["policy"][2] == D1
+    assert r.reserve("t1", "policy", 2, None, None, None)["ok"]
+    r.commit("policy", 2, "/v2", D1)
+    r.finish("t1", "policy", ok=True)
+    assert sorted(r.digests.bound["policy"]) == [2, 3]  # 3 was committed and reverted
+
+
+def test_a_blocked_slot_is_reported_and_unblocked_only_by_a_clean_update():
+    r = registry()
+    r.register([{"name": "other", "lora_int_id": 2, "path": "/o", "digest": D0}])
+    r.block("policy", "update to version 1 failed")
+    snap = r.snapshot()["slots"]
+    assert snap["policy"]["blocked"] == "update to version 1 failed"
+    assert snap["other"]["blocked"] is None
+    assert r.blocked_lora_ids() == {1: "update to version 1 failed"}
+    assert r.reserve("t1", "policy", 1, None, None, None)["ok"]  # an update is what unblocks
+    r.finish("t1", "policy", ok=False)
+    assert "policy" in r.blocked  # a failed update leaves it blocked
+    assert r.reserve("t2", "policy", 1, None, None, None)["ok"]
+    r.commit("policy", 1, "/v1", D1)
+    r.finish("t2", "policy", ok=True)
+    assert not r.blocked and r.snapshot()["slots"]["policy"]["blocked"] is None

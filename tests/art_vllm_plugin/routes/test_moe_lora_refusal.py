@@ -1,5 +1,6 @@
 """`--enable-lora` on the tiny MoE model in the CPU build without `--lora-target-modules` that
-leave out the experts is refused at start, naming the flag (`worker/moe_lora_cpu.py`)."""
+leave out the experts is refused at start, naming the flag (`worker/moe_lora_cpu.py`); and why:
+the CPU build lacks the kernels expert LoRA runs on."""
 
 from __future__ import annotations
 
@@ -42,3 +43,19 @@ def test_which_targets_reach_the_experts():
     assert not experts_targeted(["shared_experts_gate"])
     names = ["model.layers.1.mlp.experts.0.gate_proj", "model.layers.1.self_attn.q_proj"]
     assert expert_modules(names) == names[:1]
+
+
+def test_the_cpu_build_has_no_expert_lora_kernels():
+    """Why the refusal stands, even on Model Runner V2 under Triton's interpreter (measured: a
+    stock `vllm serve` of the tiny MoE with `--enable-lora` starts with the Triton LoRA
+    experts, then its first forward dies on `_moe_C.moe_align_block_size`). If this fails,
+    vLLM's CPU build gained a piece of expert LoRA: measure again before keeping the refusal."""
+    import torch
+    import vllm._custom_ops  # noqa: F401  (loads the build's ops)
+    from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    assert PunicaWrapperCPU.add_lora_w13 is PunicaWrapperBase.add_lora_w13  # NotImplementedError
+    assert PunicaWrapperCPU.add_lora_w2 is PunicaWrapperBase.add_lora_w2
+    for op in ("moe_align_block_size", "moe_lora_align_block_size"):
+        assert not hasattr(torch.ops._moe_C, op), op

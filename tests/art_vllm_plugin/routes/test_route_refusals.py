@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from support import model_runner
 
 from art_vllm_plugin import serve_process
-from support import model_runner
 
 pytestmark = pytest.mark.serve
 

@@ -1,0 +1,78 @@
+"""Requests on a blocked slot are answered 503, naming the update that failed.
+
+A slot is blocked when an update of it failed with its state unknown (some worker may hold the
+new weights under the old label); EngineCore ends the slot's running and waiting requests with
+an error and refuses new ones until an update commits cleanly everywhere
+(`engine_core/blocked_slots.py`). vLLM would answer those as a generic 500 ("Internal server
+error"); here the API server says what happened instead:
+
+- a new request on a blocked slot is refused with 503 before it reaches the engine, when this
+  is the only API server (its copy of the registry is then exact, `SlotView.refresh`); with
+  several API servers the engine refuses it, as below, since this server's copy may be older
+  than the block;
+- a request that ended with an error (running when the slot was blocked, or refused by the
+  engine) is answered 503 with the reason if its slot is blocked (the registry is read again
+  first), and a stream's error event likewise; any other error stays as vLLM made it.
+
+Called from the alias wrapper around vLLM's completion and chat handlers
+(`api_server/alias_requests.py`), which knows the slot a request runs on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from http import HTTPStatus
+
+logger = logging.getLogger("vllm.art_plugin.slots")
+
+_ERROR_EVENT = 'data: {"error"'
+
+
+async def reason(state, slot: str | None, after_error: bool = False) -> str | None:
+    """Why `slot` is blocked, None when it serves (or is no slot). Before a request: only with
+    a sole API server (else the engine decides); after an error: read from engine 0 again."""
+    view = state.slots
+    if slot is None or slot not in view.local:
+        return None
+    if not after_error and not view.sole_api_server:
+        return None
+    try:
+        await view.refresh(force=after_error)
+    except Exception as exc:  # an engine that cannot answer: vLLM's own answer stands
+        logger.warning("art: could not read the slot registry for %s: %s", slot, exc)
+        return None
+    current = view.slots.get(slot)
+    return current.blocked if current is not None else None
+
+
+def unavailable(serving, message: str):
+    """vLLM's error response with status 503."""
+    return serving.create_error_response(
+        message, err_type="ServiceUnavailable", status_code=HTTPStatus.SERVICE_UNAVAILABLE
+    )
+
+
+def unavailable_event(message: str) -> str:
+    error = {"message": message, "type": "ServiceUnavailable", "param": None, "code": 503}
+    return "data: " + json.dumps({"error": error}) + "\n\n"
+
+
+def is_server_error(response) -> bool:
+    """A vLLM `ErrorResponse` with a 5xx code (returned rather than raised)."""
+    code = getattr(getattr(response, "error", None), "code", None)
+    return isinstance(code, int) and code >= 500
+
+
+async def guard_stream(stream, state, slot: str):
+    """`stream` with an error event replaced by 503 naming the failed update when the error
+    came from the slot being blocked."""
+    try:
+        async for chunk in stream:
+            if isinstance(chunk, str) and chunk.startswith(_ERROR_EVENT):
+                why = await reason(state, slot, after_error=True)
+                if why is not None:
+                    chunk = unavailable_event(why)
+            yield chunk
+    finally:
+        await stream.aclose()

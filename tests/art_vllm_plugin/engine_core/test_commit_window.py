@@ -1,0 +1,43 @@
+"""An engine stages a slot's update only when no other slot's update may still revert there.
+
+A worker forgets every update's undo when it starts staging (`worker/lora_slot_writer.py`), so
+EngineCore answers `busy` while another slot's commit is not yet finished everywhere (the API
+server asks again). A leftover of the same slot's previous update, or one whose API server
+died long ago (`RESERVATION_TTL_S`), is final and does not hold anything up.
+"""
+
+from __future__ import annotations
+
+import time
+
+from art_vllm_plugin.engine_core import slot_updates
+from art_vllm_plugin.engine_core.slot_registry import RESERVATION_TTL_S
+from art_vllm_plugin.engine_core.state import SlotUpdates
+
+
+def committed(lora_int_id: int, at: float | None = None):
+    done = slot_updates._Committed(lora_int_id, 0, None)
+    if at is not None:
+        done.at = at
+    return done
+
+
+def test_another_slots_open_commit_holds_staging_back():
+    state = SlotUpdates()
+    state.committed["t-other"] = committed(2)
+    assert slot_updates._open_commits(state, 1) == [2]
+    assert "t-other" in state.committed  # it may still revert: kept
+
+
+def test_the_same_slots_leftover_is_final():
+    state = SlotUpdates()
+    state.committed["t-old"] = committed(1)
+    assert slot_updates._open_commits(state, 1) == []
+    assert not state.committed
+
+
+def test_a_commit_left_by_a_dead_api_server_expires():
+    state = SlotUpdates()
+    state.committed["t-dead"] = committed(2, at=time.monotonic() - RESERVATION_TTL_S - 1)
+    assert slot_updates._open_commits(state, 1) == []
+    assert not state.committed
