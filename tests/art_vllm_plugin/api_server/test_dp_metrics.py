@@ -17,12 +17,11 @@ import asyncio
 
 import httpx
 import pytest
+from support.api_server_clients import one_client_per_api_server
 
 PROMPT = "the policy model learns from the reward and the trainer sends"
 MAX_TOKENS = 8
 REQUESTS = 8
-#: Persistent connections opened at most while looking for one to each API server.
-MAX_CONNECTIONS = 64
 #: Top-level fields that are the sum of the engines' own.
 SUMMED = (
     "engine_step",
@@ -47,20 +46,8 @@ def server(dp2_server):
 @pytest.fixture(scope="module")
 def api_servers(server):
     """Two clients, each holding one connection to a different API-server process."""
-    clients, by_pid = [], {}
-    try:
-        while len(by_pid) < 2 and len(clients) < MAX_CONNECTIONS:
-            c = httpx.Client(
-                base_url=server.url, timeout=300, limits=httpx.Limits(max_connections=1)
-            )
-            clients.append(c)
-            pid = c.get("/art/v1/capabilities").json()["api_server"]["pid"]
-            by_pid.setdefault(pid, c)
-        assert len(by_pid) == 2, f"{len(clients)} connections reached API servers {sorted(by_pid)}"
-        yield list(by_pid.values())
-    finally:
-        for c in clients:
-            c.close()
+    with one_client_per_api_server(server.url) as clients:
+        yield clients
 
 
 def metrics(client) -> dict:

@@ -24,6 +24,8 @@ import uuid
 import httpx
 import pytest
 
+from art_protocol.provenance import extend_spans
+
 PROMPTS = ["the policy model learns from the reward", "a trainer sends new weights"]
 LABELLED = 3
 ERROR = re.compile(
@@ -64,15 +66,6 @@ def stream_events(server, route: str, body: dict) -> list[str]:
     return events
 
 
-def merge(spans: list[dict], more: list[dict]) -> None:
-    for span in more:
-        last = spans[-1] if spans else None
-        if last and last["end"] == span["start"] and last["version"] == span["version"]:
-            last["end"] = span["end"]
-        else:
-            spans.append(dict(span))
-
-
 def streamed_choices(events: list[str]) -> tuple[dict[int, dict], list[dict]]:
     """{choice index: {"spans": merged spans, "tokens": token ids}} and the error events.
 
@@ -92,7 +85,7 @@ def streamed_choices(events: list[str]) -> tuple[dict[int, dict], list[dict]]:
             assert sum(s["end"] - s["start"] for s in spans) == len(tokens), choice
             if spans:
                 assert spans[0]["start"] == len(got["tokens"]), (got, choice)
-            merge(got["spans"], spans)
+            extend_spans(got["spans"], spans)
             got["tokens"] += tokens
     return choices, errors
 
