@@ -237,6 +237,14 @@ def _write_stage(config, slot, version, files: AdapterFiles, engines) -> Path:
     return stage_dir
 
 
+def _poll_all(stage_dir, pending) -> list[tuple[list[int], dict[int, str]]]:
+    """Each pending engine's (ranks ready, {rank: error}) from its marker directory."""
+    return [
+        staging.poll(staging.marker_dir(stage_dir, engine.dp_rank), engine_ranks)
+        for engine, engine_ranks in pending
+    ]
+
+
 async def _wait_staged(
     stage_dir, engines: list[Engine], ranks: list[list[int]], files: AdapterFiles, keeps: str
 ) -> None:
@@ -244,10 +252,9 @@ async def _wait_staged(
     pending = list(zip(engines, ranks, strict=True))
     while pending:
         still = []
-        for engine, engine_ranks in pending:
-            ready, failed = staging.poll(
-                staging.marker_dir(stage_dir, engine.dp_rank), engine_ranks
-            )
+        # The markers are files: read them on a thread, never with the event loop's time.
+        polled = await asyncio.to_thread(_poll_all, stage_dir, pending)
+        for (engine, engine_ranks), (ready, failed) in zip(pending, polled, strict=True):
             if failed:
                 rank, text = sorted(failed.items())[0]
                 kind, _, error = text.partition("\n")
