@@ -20,13 +20,13 @@ Called from the alias wrapper around vLLM's completion and chat handlers
 
 from __future__ import annotations
 
-import json
 import logging
 from http import HTTPStatus
 
-logger = logging.getLogger("vllm.art_plugin.slots")
+from art_vllm_plugin.api_server import chunk_splice
+from art_vllm_plugin.compat.api_server import streaming_error_event
 
-_ERROR_EVENT = 'data: {"error"'
+logger = logging.getLogger("vllm.art_plugin.slots")
 
 
 async def reason(state, slot: str | None, after_error: bool = False) -> str | None:
@@ -53,11 +53,6 @@ def unavailable(serving, message: str):
     )
 
 
-def unavailable_event(message: str) -> str:
-    error = {"message": message, "type": "ServiceUnavailable", "param": None, "code": 503}
-    return "data: " + json.dumps({"error": error}) + "\n\n"
-
-
 def is_server_error(response) -> bool:
     """A vLLM `ErrorResponse` with a 5xx code (returned rather than raised)."""
     code = getattr(getattr(response, "error", None), "code", None)
@@ -69,10 +64,10 @@ async def guard_stream(stream, state, slot: str):
     came from the slot being blocked."""
     try:
         async for chunk in stream:
-            if isinstance(chunk, str) and chunk.startswith(_ERROR_EVENT):
+            if isinstance(chunk, str) and chunk_splice.is_error(chunk):
                 why = await reason(state, slot, after_error=True)
                 if why is not None:
-                    chunk = unavailable_event(why)
+                    chunk = streaming_error_event(why, "ServiceUnavailable", 503)
             yield chunk
     finally:
         await stream.aclose()

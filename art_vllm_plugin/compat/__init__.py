@@ -83,7 +83,6 @@ from art_vllm_plugin.compat.provenance import (
     is_shared_empty_runner_output,
 )
 from art_vllm_plugin.compat.routes import (
-    engine_collective_rpc,
     engine_vllm_config,
     moe_layer_ids,
     output_routed_experts,
@@ -150,7 +149,6 @@ __all__ = [
     "current_vllm_config_or_none",
     "dp_load_balancing_mode",
     "engine_batch_queue_size",
-    "engine_collective_rpc",
     "engine_core_class",
     "engine_dead_error_class",
     "engine_executor",

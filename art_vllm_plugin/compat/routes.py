@@ -38,11 +38,6 @@ def engine_vllm_config(core):
     return core.vllm_config
 
 
-def engine_collective_rpc(core, method: str):
-    """Run a worker method on every worker of this engine; the replies, by rank."""
-    return core.model_executor.collective_rpc(method)
-
-
 def output_routed_experts(outputs):
     """(engine output, its routed-experts rows) of one step's `EngineCoreOutputs` by client,
     for the outputs that carry rows (`EngineCoreOutput.routed_experts`)."""

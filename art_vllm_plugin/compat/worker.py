@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from art_vllm_plugin.compat import names
 from art_vllm_plugin.compat.patching import load
+from art_vllm_plugin.compat.routes import moe_layer_ids
 
 
 def worker_model_runner(worker):
@@ -98,8 +99,7 @@ def bind_route_capture(model, capture) -> list[int]:
     `bind_routed_experts_capturer` (`fused_moe/routed_experts_capturer.py`; routers call it in
     `BaseRouter.select_experts` with the logical ids, before EPLB mapping). Returns the MoE
     layer ids, ascending."""
-    moe_runner = load(names.MOE_RUNNER)
-    layer_ids = sorted({m.layer_id for m in model.modules() if isinstance(m, moe_runner)})
+    layer_ids = moe_layer_ids(model)
     load(names.BIND_ROUTED_EXPERTS_CAPTURER)(model, capture)
     return layer_ids
 

@@ -31,7 +31,7 @@ def learn_layers(core) -> None:
         routes_config.selected() and compat.routes_enabled(config)
     ):
         return
-    replies = compat.engine_collective_rpc(core, "art_route_layer_ids")
+    replies = compat.engine_executor(core).collective_rpc("art_route_layer_ids")
     layers = list(replies[0])
     if any(list(r) != layers for r in replies):
         raise RuntimeError(f"art routes: workers disagree on the MoE layer ids: {replies}")

@@ -47,7 +47,6 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 from art_protocol.digest import digest_dir
@@ -66,14 +65,6 @@ TEST_HOOKS_ENV = "ART_TEST_HOOKS"
 #: Test-only (`art_test_inject_fault(kind="unknown")`): engines whose next failed commit
 #: reports that its weights could not be restored.
 _UNRESTORED_FAULT: weakref.WeakSet = weakref.WeakSet()
-
-
-@dataclass
-class _Committed(CommittedInEngine):
-    """A commit not yet finished everywhere, and when it was made (an API server that died
-    between commit and finish leaves one behind; it is final after `RESERVATION_TTL_S`)."""
-
-    at: float = field(default_factory=time.monotonic)
 
 
 def _stale(state: SlotUpdates, lora_int_id: int, name: str, version: int) -> dict | None:
@@ -95,7 +86,7 @@ def _open_commits(state: SlotUpdates, lora_int_id: int) -> list[int]:
     so the next one starts only after the previous one finished (or its API server died)."""
     now = time.monotonic()
     for token, done in list(state.committed.items()):
-        if done.lora_int_id == lora_int_id or now - getattr(done, "at", now) > RESERVATION_TTL_S:
+        if done.lora_int_id == lora_int_id or now - done.at > RESERVATION_TTL_S:
             del state.committed[token]
     return sorted({done.lora_int_id for done in state.committed.values()})
 
@@ -190,7 +181,9 @@ def art_commit_lora_update(
     previous_record = None
     if staged.name in engine.registry.slots and path is not None:
         previous_record = engine.registry.commit(staged.name, staged.version, path, digest or "")
-    state.committed[token] = _Committed(staged.lora_int_id, previous_version, previous_record)
+    state.committed[token] = CommittedInEngine(
+        staged.lora_int_id, previous_version, previous_record
+    )
     state.updates += 1
     compat.set_engine_weight_label(self, label)
     resalted = cache_salting.resalt_waiting(self, staged.lora_int_id, state.versions)

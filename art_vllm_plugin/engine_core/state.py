@@ -9,6 +9,7 @@ Created on first use, not in `__init__`: EngineCore loads the general plugins in
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,11 +30,14 @@ class StagedInEngine:
 
 @dataclass
 class CommittedInEngine:
-    """What a commit replaced in this engine, until the update is finished everywhere."""
+    """What a commit replaced in this engine, until the update is finished everywhere, and
+    when it was made (an API server that died between commit and finish leaves one behind;
+    it is final after `slot_registry.RESERVATION_TTL_S`)."""
 
     lora_int_id: int
     previous_version: int
     previous_record: SlotRecord | None
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass

@@ -78,8 +78,7 @@ def _stage(worker, staged: StagedUpdate, request, marker_dir: str, rank: int) ->
         manager = compat.adapter_model_manager(worker_manager)
         model = _read_staged_files(worker_manager, request)
         compat.pack_adapter(manager, model)
-        # What the commit writes (`state.StagedUpdate.device_weights` holds the SlotWrites).
-        staged.device_weights = _stage_writes(manager, model)
+        staged.writes = _stage_writes(manager, model)
         staged.model = model
         ok, message = True, ""
     except BaseException as exc:  # reported through the marker; the worker keeps serving
@@ -217,7 +216,7 @@ def _commit(self, slots, token: str, label: str | None) -> dict:
     undo = Undo(lid, slots.committed.get(lid), compat.registered_adapter(manager, lid), slots.label)
     try:
         registered = staged.model if undo.registered is not None else None
-        index = _install_version(self, lid, staged.model, registered, staged.device_weights)
+        index = _install_version(self, lid, staged.model, registered, staged.writes)
         if slots.fault == "commit":
             slots.fault = None
             raise RuntimeError(f"injected commit failure on rank {rank} (test hook)")
@@ -227,14 +226,14 @@ def _commit(self, slots, token: str, label: str | None) -> dict:
             restored = True
         except Exception:
             restored = False
-        _hold_until_copied(manager, staged.device_weights)
+        _hold_until_copied(manager, staged.writes)
         return {
             "ok": False,
             "rank": rank,
             "error": f"{type(exc).__name__}: {exc}",
             "restored": restored,
         }
-    _hold_until_copied(manager, staged.device_weights)
+    _hold_until_copied(manager, staged.writes)
     if label is not None:
         slots.label = label
     slots.undo[token] = undo

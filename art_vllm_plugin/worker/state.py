@@ -21,7 +21,7 @@ from art_vllm_plugin import compat
 class StagedUpdate:
     lora_int_id: int
     model: Any = None  # packed CPU LoRAModel once staged
-    device_weights: dict[str, tuple[Any, Any]] | None = None  # GPU: module -> (A, B)
+    writes: Any = None  # `slot_writes.SlotWrites`: what the commit writes, once staged
     error: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
