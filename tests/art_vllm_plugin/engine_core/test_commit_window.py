@@ -12,14 +12,13 @@ import time
 
 from art_vllm_plugin.engine_core import slot_updates
 from art_vllm_plugin.engine_core.slot_registry import RESERVATION_TTL_S
-from art_vllm_plugin.engine_core.state import SlotUpdates
+from art_vllm_plugin.engine_core.state import CommittedInEngine, SlotUpdates
 
 
 def committed(lora_int_id: int, at: float | None = None):
-    done = slot_updates._Committed(lora_int_id, 0, None)
-    if at is not None:
-        done.at = at
-    return done
+    if at is None:
+        return CommittedInEngine(lora_int_id, 0, None)
+    return CommittedInEngine(lora_int_id, 0, None, at=at)
 
 
 def test_another_slots_open_commit_holds_staging_back():
