@@ -72,9 +72,12 @@ def install_engine_core() -> None:
         lease_versions,
         route_rows,
         slot_updates,
+        step_rides,
     )
 
     compat.add_all(P.SLOT_UPDATE_UTILITIES, slot_updates)
+    # Slot updates ride the next step; an engine that will not step sends them as an RPC.
+    compat.wrap(P.ENGINE_RIDE_FLUSH, step_rides.flush_if_idle)
     compat.add_all(P.LEASE_UTILITIES, lease_versions)
     # `add_request`: salting inside, scheduler stamping outside (the engine's scheduler is
     # stamped before its first request is salted, queued and scheduled).
@@ -120,9 +123,10 @@ def install_worker() -> None:
     """Workers: slot updates (stage, swap, roll back), the committed-model loader, and on the
     CPU platform MoE LoRA and (`--art-routes`) route capture in the V1 runner."""
     from art_vllm_plugin.routes import config as routes_config
-    from art_vllm_plugin.worker import forward_labels, lora_slot_writer, route_layers
+    from art_vllm_plugin.worker import forward_labels, lora_slot_writer, route_layers, step_rides
 
     compat.add_all(P.WORKER_UTILITIES, lora_slot_writer)
+    compat.add_all(P.WORKER_RIDE_UTILITY, step_rides)
     compat.add_all(P.WORKER_ROUTE_LAYER_IDS, route_layers)
     # Each step's output carries the label of the weights its forward ran with.
     compat.wrap(P.WORKER_FORWARD_LABEL, forward_labels.label_forwards)

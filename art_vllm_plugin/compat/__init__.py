@@ -13,8 +13,8 @@ them are declared and reached here, and nowhere else:
   marker for all; anything undeclared is refused); `attach_state` hangs the plugin's state
   on a vLLM object. Which patches each process role applies, in which order:
   `art_vllm_plugin/install.py`.
-- `platform`, `api_server`, `engine_core`, `worker`, `routes`, `provenance`: accessors, by
-  the process role or feature that uses them; re-exported here, so callers write
+- `platform`, `api_server`, `engine_core`, `worker`, `routes`, `provenance`, `step_rides`:
+  accessors, by the process role or feature that uses them; re-exported here, so callers write
   `compat.engine_scheduler(core)`.
 """
 
@@ -91,6 +91,14 @@ from art_vllm_plugin.compat.routes import (
     total_layers,
     worker_model,
 )
+from art_vllm_plugin.compat.step_rides import (
+    count_across,
+    engine_pipeline_stages,
+    engine_will_step,
+    engine_worker_count,
+    gather_across,
+    worker_tp_cpu_group,
+)
 from art_vllm_plugin.compat.versions import (
     SUPPORTED_RANGE_TEXT,
     SUPPORTED_VLLM,
@@ -146,6 +154,7 @@ __all__ = [
     "chat_request_class",
     "check_vllm_version",
     "completion_request_class",
+    "count_across",
     "current_vllm_config_or_none",
     "dp_load_balancing_mode",
     "engine_batch_queue_size",
@@ -153,12 +162,16 @@ __all__ = [
     "engine_dead_error_class",
     "engine_executor",
     "engine_inflight_batches",
+    "engine_pipeline_stages",
     "engine_scheduler",
     "engine_targets",
     "engine_vllm_config",
     "engine_weight_label",
+    "engine_will_step",
+    "engine_worker_count",
     "error_response",
     "freeze_running_requests",
+    "gather_across",
     "is_applied",
     "is_async_runner_output",
     "is_cpu_platform",
@@ -209,6 +222,7 @@ __all__ = [
     "worker_model_runner",
     "worker_pids",
     "worker_rank",
+    "worker_tp_cpu_group",
     "wrap",
     "wrap_instance",
 ]

@@ -444,5 +444,13 @@ CPU_PUNICA_WRAPPER = VllmName(
     "its add_lora_logits fails on prompt logprobs when a batch holds two requests or more",
 )
 
+# -- slot updates riding the step loop (engine_core/step_rides.py, worker/step_rides.py) -----
+GET_TP_GROUP = VllmName(
+    "vllm.distributed.parallel_state",
+    "get_tp_group",
+    "function",
+    "a commit riding a step: the tensor-parallel ranks agree on it (its CPU group)",
+)
+
 #: Every declared name.
 ALL: tuple[VllmName, ...] = collect(dict(globals()), VllmName)

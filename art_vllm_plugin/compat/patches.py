@@ -89,6 +89,12 @@ DP_BUSY_LOOP = VllmPatch(
     by="engine_core.core_pinning.layout_before_busy_loop",
     why="the same for data-parallel engines (which define their own busy loop)",
 )
+ENGINE_RIDE_FLUSH = VllmPatch(
+    _ENGINE,
+    "EngineCoreProc._process_input_queue",
+    by="engine_core.step_rides.flush_if_idle",
+    why="slot-update rides queued for a step that will not come go to the workers as an RPC",
+)
 CPU_LAYOUT_UTILITY = VllmPatch(
     _ENGINE,
     "EngineCoreProc.art_cpu_layout",
@@ -137,6 +143,13 @@ WORKER_UTILITIES = adds(
     ),
     by="worker.lora_slot_writer",
     why="collective_rpc targets: stage off the step loop, swap between two steps",
+)
+WORKER_RIDE_UTILITY = adds(
+    "vllm.v1.worker.worker_base",
+    "WorkerBase",
+    ("art_run_rides",),
+    by="worker.step_rides",
+    why="collective_rpc target: an idle engine's slot-update rides, run at once",
 )
 LOAD_COMMITTED_ADAPTER = VllmPatch(
     "vllm.lora.worker_manager",

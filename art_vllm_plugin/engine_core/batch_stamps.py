@@ -19,11 +19,11 @@ old weights with the new version.
 The rule here: a batch's label is the one in force when the scheduler produced it. The
 engine's scheduler is wrapped (per engine, before its first request) so `schedule()` records
 the label for its `SchedulerOutput` and `update_from_output()` hands that label to
-`_attach_weight_version`. The weights match the label because a commit is ordered after every
-batch already launched: the commit is a worker RPC sent after those batches'
-`execute_model`/`sample_tokens` on the same ordered channel (the multiprocess executor's
-broadcast queue; the uniprocess executor's single thread), and on a GPU its copies run on the
-stream that computes them. The wrappers are applied by `art_vllm_plugin.install`.
+`_attach_weight_version`. The weights match the label because a commit rides the first batch
+scheduled after it (`step_rides`): its engine side takes effect right before that batch is
+scheduled, and every worker swaps at the start of that batch's step, after every batch
+before it (the executor's channel to the workers is ordered), and on a GPU its copies run on
+the stream that computes them. The wrappers are applied by `art_vllm_plugin.install`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import logging
 import time
 
 from art_vllm_plugin import compat
+from art_vllm_plugin.engine_core import step_rides
 from art_vllm_plugin.engine_core.state import EngineCoreState, engine_state
 from art_vllm_plugin.worker.forward_labels import label_of
 
@@ -50,7 +51,9 @@ def stamp_schedule(core, state: EngineCoreState):
         s = state.stamps
 
         def stamped_schedule(*args, **kwargs):
+            step_rides.before_schedule(state)  # a commit riding this batch takes effect
             output = schedule(*args, **kwargs)
+            step_rides.after_schedule(state, output)
             s.scheduled += 1
             label = compat.engine_weight_label(core)
             s.pending[id(output)] = (label, state.leases.extend(label))
@@ -70,6 +73,8 @@ def label_update_from_output(state: EngineCoreState):
         s = state.stamps
 
         def labelled_update_from_output(scheduler_output, model_runner_output, *args, **kwargs):
+            # First the rides this batch carried: a failed commit corrects pending stamps.
+            step_rides.on_output(state, scheduler_output, model_runner_output)
             stamp = s.pending.pop(id(scheduler_output), None)
             s.output_label = batch_label(state, stamp, label_of(model_runner_output))
             return update_from_output(scheduler_output, model_runner_output, *args, **kwargs)
@@ -100,6 +105,15 @@ def batch_label(
             s.label_mismatches,
         )
     return state.leases.extend(worker)
+
+
+def restamp(state: EngineCoreState, wrong: str | None, right: str | None) -> None:
+    """Batches stamped `wrong` whose outputs are not back yet were computed on `right`'s
+    weights (a commit that rode a step failed on the workers): stamp them `right`."""
+    s = state.stamps
+    for key, (label, _) in list(s.pending.items()):
+        if label == wrong:
+            s.pending[key] = (right, state.leases.extend(right))
 
 
 def before_first_request(stamp_scheduler):

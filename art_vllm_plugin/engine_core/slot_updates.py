@@ -4,18 +4,21 @@ Utility methods added to vLLM's `EngineCore`, called from the API server with
 `call_utility_async` (vLLM runs them in the busy loop between engine steps):
 
 1. `art_stage_lora_update(token, lora_int_id, name, stage_dir, version, marker_dir, digest)`:
-   asks every worker to stage the adapter the API server validated and copied to `stage_dir`;
-   each worker starts a background thread and answers at once, so this call blocks the step
-   loop for one RPC round trip, whatever the adapter's size. The API server then waits for
-   the workers' markers in `stage_dir` (`art_vllm_plugin.staging`), with no engine call.
-   Refused when the version is not newer, or was committed here before with another digest
-   (`version_digests`).
-2. `art_commit_lora_update(token, path, digest, operation_id)`: the swap. Every worker copies
-   its staged tensors into the slot (a memory copy, no file access); if any worker fails, the
-   others put back their previous weights within the same call (all-or-nothing), and the
-   result says so; a failure some worker could not undo blocks the slot at once
-   (`blocked_slots`). On success the slot's version is bumped in the per-step label, bound to
-   its digest, and waiting requests of the slot are re-salted (`cache_salting`).
+   has every worker start staging the adapter the API server validated and copied to
+   `stage_dir`: the request rides the next scheduled batch (`step_rides`; an RPC at once when
+   the engine is not stepping) and each worker hands it to a background thread, so the step
+   loop is held for no worker round trip, whatever the adapter's size. The API server then
+   waits for the workers' markers in `stage_dir` (`art_vllm_plugin.staging`), with no engine
+   call. Refused when the version is not newer, or was committed here before with another
+   digest (`version_digests`).
+2. `art_commit_lora_update(token, path, digest, operation_id)`: the swap. It rides the next
+   scheduled batch too and is answered (a `Future`) when that batch's output is back: the
+   engine side (version, label, salts) takes effect right before the batch is scheduled;
+   every worker copies its staged tensors into the slot at the start of that step (a memory
+   copy, no file access), the ranks agree, and if any failed the others put back their
+   previous weights before the forward (all-or-nothing), and the result says so; a failure
+   some worker could not undo blocks the slot at once (`blocked_slots`). On success the
+   version is bound to its digest and the registry records the path.
 3. `art_abort_lora_update(token)`: drops a staged update.
 
 The slot registry (`engine_core/slot_registry.py`: versions, committed paths, digests, recent
@@ -34,9 +37,11 @@ and its finish on this engine (it may still have to revert), staging answers `bu
 API server asks again; that window is a few utility calls long.
 
 Running requests are neither aborted nor preempted. A token's version is the version of the
-weights that computed it: batches carry the label in force when they were scheduled
-(`batch_stamps`), and a commit is ordered after every batch already launched. Each call
-records how long it held the step loop (`stall_ms`), the "engine stall" of an update.
+weights that computed it: the worker reports the label of the weights each forward used
+(`worker/forward_labels.py`), and batches carry the label in force when they were scheduled
+(`batch_stamps`), which a commit riding a batch keeps exact. Each update records its "engine
+stall" (`stall_ms`): the step-loop time of its utility calls plus the workers' swap at the
+start of the step that carried it.
 
 Failure results are returned, not raised, so the API server can tell an adapter problem
 (`kind="adapter"`, from staging) from an engine problem (`kind="commit"`).
@@ -47,12 +52,14 @@ from __future__ import annotations
 import os
 import time
 import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from art_protocol.digest import digest_dir
 from art_protocol.provenance import encode_versions
 from art_vllm_plugin import compat
-from art_vllm_plugin.engine_core import blocked_slots, cache_salting
+from art_vllm_plugin.engine_core import batch_stamps, blocked_slots, cache_salting, step_rides
 from art_vllm_plugin.engine_core.slot_registry import RESERVATION_TTL_S
 from art_vllm_plugin.engine_core.state import (
     CommittedInEngine,
@@ -122,14 +129,31 @@ def art_stage_lora_update(
             "kind": "busy",
             "error": f"updates of LoRA ids {open_ids} are committing on this engine",
         }
-    ranks = compat.engine_executor(self).collective_rpc(
-        "art_stage_lora_update", args=(token, lora_int_id, name, stage_dir, marker_dir)
-    )
+    args = (lora_int_id, name, stage_dir, marker_dir)
+    step_rides.queue(self, step_rides.Ride(step_rides.STAGE, token, args))
+    ranks = list(range(compat.engine_worker_count(self)))
     engine.registry.digests.note_staged(name, token, digest)
     state.staged[token] = StagedInEngine(
-        lora_int_id, name, version, list(ranks), time.perf_counter() - t0
+        lora_int_id, name, version, ranks, time.perf_counter() - t0
     )
-    return {"ok": True, "ranks": list(ranks), "stall_ms": (time.perf_counter() - t0) * 1e3}
+    return {"ok": True, "ranks": ranks, "stall_ms": (time.perf_counter() - t0) * 1e3}
+
+
+@dataclass
+class _Commit:
+    """One commit on its way through the step loop (`step_rides`)."""
+
+    token: str
+    staged: StagedInEngine
+    path: str | None
+    digest: str | None
+    operation_id: str | None
+    inflight_batches: int
+    engine_s: float = 0.0  # step-loop time of the utility call and of `_take_effect`
+    label: str | None = None
+    step: int = 0
+    previous_version: int = 0
+    resalted: int = 0
 
 
 def art_commit_lora_update(
@@ -138,10 +162,12 @@ def art_commit_lora_update(
     path: str | None = None,
     digest: str | None = None,
     operation_id: str | None = None,
-) -> dict:
-    """The swap; a registered slot's record gets the committed `path` and `digest`, and the
-    version stays bound to that digest on this engine. A failure that some worker could not
-    undo blocks the slot here before this call returns (`blocked_slots`)."""
+) -> Future | dict:
+    """The swap, riding the next step (`step_rides`): answered once the workers swapped (a
+    `Future`, which vLLM answers when done). A registered slot's record gets the committed
+    `path` and `digest`, and the version stays bound to that digest on this engine. A failure
+    that some worker could not undo blocks the slot here before the answer
+    (`blocked_slots`)."""
     t0 = time.perf_counter()
     engine = engine_state(self)
     state = engine.updates
@@ -149,58 +175,100 @@ def art_commit_lora_update(
     if staged is None:
         return {"ok": False, "kind": "commit", "error": "no staged update", "restored": True}
     if (stale := _stale(state, staged.lora_int_id, staged.name, staged.version)) is not None:
-        compat.engine_executor(self).collective_rpc("art_abort_lora_update", args=(token,))
+        art_abort_lora_update(self, token)
         return stale
-    executor = compat.engine_executor(self)
+    commit = _Commit(
+        token, staged, path, digest, operation_id, compat.engine_inflight_batches(self)
+    )
+    ride = step_rides.Ride(step_rides.COMMIT, token, ())
+    ride.before_step = lambda: _take_effect(self, commit, ride)
+    ride.settle = lambda result: _settle(self, commit, result)
+    commit.engine_s = time.perf_counter() - t0
+    return step_rides.queue(self, ride)
+
+
+def _take_effect(core, commit: _Commit, ride: step_rides.Ride) -> None:
+    """Right before the batch that carries the commit is scheduled: that batch and every later
+    one are stamped with the new label, and waiting requests take the new salt."""
+    t0 = time.perf_counter()
+    engine = engine_state(core)
+    state = engine.updates
+    lid = commit.staged.lora_int_id
+    commit.step = engine.stamps.scheduled  # batches so far ran on the old weights
+    commit.previous_version = state.versions.get(lid, 0)
+    state.versions[lid] = commit.staged.version
     # The label of the weights after the swap: each worker holds it beside them and reports it
     # with every forward that uses them (worker/forward_labels.py).
-    label = encode_versions({**state.versions, staged.lora_int_id: staged.version})
-    results = executor.collective_rpc("art_commit_lora_update", args=(token, label))
-    failed = [r for r in results if not r["ok"]]
-    if failed:
-        state.failed_commits += 1
-        rolled = executor.collective_rpc("art_rollback_lora_update", args=(token,))
-        restored = all(r["ok"] for r in rolled) and all(r.get("restored") for r in failed)
-        errors = "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed)
-        errors += "".join(
-            f"; rank {r['rank']} rollback: {r['error']}" for r in rolled if not r["ok"]
-        )
-        if self in _UNRESTORED_FAULT:
-            _UNRESTORED_FAULT.discard(self)
-            restored = False
-            errors += "; the restore is reported failed (test hook 'unknown')"
-        if not restored:
-            why = blocked_slots.reason(staged.name, staged.version, operation_id, errors)
-            blocked_slots.block(self, staged.name, why)
-        return {"ok": False, "kind": "commit", "error": errors, "restored": restored}
-    digest = digest or engine.registry.digests.staged_digest(staged.name, token)
+    commit.label = encode_versions(state.versions)
+    ride.args = (commit.label,)
+    compat.set_engine_weight_label(core, commit.label)
+    commit.resalted = cache_salting.resalt_waiting(core, lid, state.versions)
+    commit.engine_s += time.perf_counter() - t0
+
+
+def _settle(core, commit: _Commit, result: dict) -> dict:
+    """The workers' engine-wide outcome of the swap: record it, or undo the engine side."""
+    engine = engine_state(core)
+    state = engine.updates
+    staged = commit.staged
+    if not result["ok"]:
+        return _failed(core, commit, result)
+    digest = commit.digest or engine.registry.digests.staged_digest(staged.name, commit.token)
     if digest is not None:
         engine.registry.digests.bind(staged.name, staged.version, digest)
-    previous_version = state.versions.get(staged.lora_int_id, 0)
-    state.versions[staged.lora_int_id] = staged.version
     previous_record = None
-    if staged.name in engine.registry.slots and path is not None:
-        previous_record = engine.registry.commit(staged.name, staged.version, path, digest or "")
-    state.committed[token] = CommittedInEngine(
-        staged.lora_int_id, previous_version, previous_record
+    if staged.name in engine.registry.slots and commit.path is not None:
+        previous_record = engine.registry.commit(
+            staged.name, staged.version, commit.path, digest or ""
+        )
+    state.committed[commit.token] = CommittedInEngine(
+        staged.lora_int_id, commit.previous_version, previous_record
     )
     state.updates += 1
-    compat.set_engine_weight_label(self, label)
-    resalted = cache_salting.resalt_waiting(self, staged.lora_int_id, state.versions)
-    commit_s = time.perf_counter() - t0
-    state.stalls_ms.append((staged.stall_s + commit_s) * 1000.0)
-    state.commit_stalls_ms.append(commit_s * 1000.0)
+    commit_ms = commit.engine_s * 1000.0 + result["swap_ms"]
+    stall_ms = staged.stall_s * 1000.0 + commit_ms
+    state.stalls_ms.append(stall_ms)
+    state.commit_stalls_ms.append(commit_ms)
     return {
         "ok": True,
-        # Batches scheduled so far ran on the old weights; the next one on the new.
-        "step": engine.stamps.scheduled,
-        "engine_ms": commit_s * 1000.0,
-        "stall_ms": (staged.stall_s + commit_s) * 1000.0,
-        "inflight_batches": compat.engine_inflight_batches(self),
-        "workers": sorted(r["rank"] for r in results),
+        # Batches scheduled before it ran on the old weights; the next one on the new.
+        "step": commit.step,
+        "engine_ms": commit_ms,
+        "stall_ms": stall_ms,
+        "swap_ms": result["swap_ms"],
+        "inflight_batches": commit.inflight_batches,
+        "workers": list(range(compat.engine_worker_count(core))),
         "versions": dict(state.versions),
-        "resalted_waiting": resalted,
+        "resalted_waiting": commit.resalted,
     }
+
+
+def _failed(core, commit: _Commit, result: dict) -> dict:
+    """Every worker put its previous weights back before any forward used the new ones (or
+    one could not: the slot is blocked); the engine side goes back too."""
+    engine = engine_state(core)
+    state = engine.updates
+    staged = commit.staged
+    lid = staged.lora_int_id
+    state.failed_commits += 1
+    if commit.previous_version:
+        state.versions[lid] = commit.previous_version
+    else:
+        state.versions.pop(lid, None)
+    label = encode_versions(state.versions)
+    compat.set_engine_weight_label(core, label)
+    batch_stamps.restamp(engine, commit.label, label)
+    cache_salting.resalt_waiting(core, lid, state.versions)
+    restored = bool(result.get("restored"))
+    errors = "; ".join(result.get("errors") or ["the commit failed"])
+    if core in _UNRESTORED_FAULT:
+        _UNRESTORED_FAULT.discard(core)
+        restored = False
+        errors += "; the restore is reported failed (test hook 'unknown')"
+    if not restored:
+        why = blocked_slots.reason(staged.name, staged.version, commit.operation_id, errors)
+        blocked_slots.block(core, staged.name, why)
+    return {"ok": False, "kind": "commit", "error": errors, "restored": restored}
 
 
 def art_revert_lora_update(self, token: str) -> dict:
@@ -292,6 +360,7 @@ def art_finish_update(
 
 def art_abort_lora_update(self, token: str) -> bool:
     engine_state(self).updates.staged.pop(token, None)
+    step_rides.drop(self, token)
     compat.engine_executor(self).collective_rpc("art_abort_lora_update", args=(token,))
     return True
 
@@ -347,4 +416,7 @@ def art_slot_state(self) -> dict[str, Any]:
         # engine's stamp disagreed with (worker/forward_labels.py; 0 on tested executors).
         "worker_labelled": s.worker_labelled,
         "label_mismatches": s.label_mismatches,
+        # Stage and commit work that rode a scheduled batch, or went as an RPC to an engine
+        # that was not stepping (step_rides.py).
+        "rides": {"stepped": engine.rides.stepped, "flushed": engine.rides.flushed},
     }

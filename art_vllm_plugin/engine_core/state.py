@@ -78,6 +78,18 @@ class BatchStamps:
 
 
 @dataclass
+class Rides:
+    """Worker work riding the step loop (`step_rides`): queued, boarding the batch being
+    scheduled, and riding batches whose output has not come back (by id of the batch)."""
+
+    pending: list = field(default_factory=list)
+    boarding: list = field(default_factory=list)
+    riding: dict[int, list] = field(default_factory=dict)
+    stepped: int = 0  # rides a scheduled batch carried
+    flushed: int = 0  # rides sent as an RPC because the engine was not stepping
+
+
+@dataclass
 class LeaseLabels:
     """Exact leases pinned on this engine: lease LoRA id -> its fixed version."""
 
@@ -102,6 +114,7 @@ class EngineCoreState:
     registry: SlotRegistry = field(default_factory=SlotRegistry)
     stamps: BatchStamps = field(default_factory=BatchStamps)
     leases: LeaseLabels = field(default_factory=LeaseLabels)
+    rides: Rides = field(default_factory=Rides)
     #: Test-only (ART_TEST_HOOKS=1, `art_test_hold_at_step`): once this many steps have
     #: completed, the engine freezes its running requests itself (then None again).
     hold_at_step: int | None = None

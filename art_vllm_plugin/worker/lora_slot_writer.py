@@ -198,13 +198,15 @@ def art_commit_lora_update(self, token: str, label: str | None = None) -> dict:
     """`label`: the policy label of the weights after this commit (EngineCore's encoding of
     every slot's version); the worker's forwards report it from the next one on
     (`forward_labels`). The swap holds the weights lock, so no forward runs inside it."""
+    with worker_state(self).weights_lock:
+        return commit_locked(self, token, label)
+
+
+def commit_locked(self, token: str, label: str | None) -> dict:
+    """The swap, for a caller that holds the weights lock (the RPC above, or a commit riding
+    the step loop: `step_rides`)."""
     staged_copies.IN_FLIGHT.release_done()
     slots = worker_state(self)
-    with slots.weights_lock:
-        return _commit(self, slots, token, label)
-
-
-def _commit(self, slots, token: str, label: str | None) -> dict:
     rank = compat.worker_rank(self)
     staged = slots.staged.pop(token, None)
     if staged is None or staged.model is None:
@@ -241,18 +243,23 @@ def _commit(self, slots, token: str, label: str | None) -> dict:
 
 
 def art_rollback_lora_update(self, token: str) -> dict:
+    with worker_state(self).weights_lock:
+        return rollback_locked(self, token)
+
+
+def rollback_locked(self, token: str) -> dict:
+    """Put back what the commit of `token` replaced here; the caller holds the weights lock."""
     staged_copies.IN_FLIGHT.release_done()
     rank = compat.worker_rank(self)
     slots = worker_state(self)
-    with slots.weights_lock:
-        undo = slots.undo.pop(token, None)
-        if undo is None:
-            return {"ok": True, "rank": rank, "restored": False}  # nothing was committed here
-        try:
-            _install_version(self, undo.lora_int_id, undo.committed, undo.registered)
-        except Exception as exc:
-            return {"ok": False, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
-        slots.label = undo.label
+    undo = slots.undo.pop(token, None)
+    if undo is None:
+        return {"ok": True, "rank": rank, "restored": False}  # nothing was committed here
+    try:
+        _install_version(self, undo.lora_int_id, undo.committed, undo.registered)
+    except Exception as exc:
+        return {"ok": False, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
+    slots.label = undo.label
     return {"ok": True, "rank": rank, "restored": True}
 
 

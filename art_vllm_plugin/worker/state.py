@@ -55,6 +55,9 @@ class WorkerState:
     label: str | None = None
     #: The label the last forward ran with (its sampled output carries it).
     forward_label: str | None = None
+    #: Results of the rides the last forward ran before it, until its sampled output
+    #: carries them (`step_rides`).
+    forward_rides: list | None = None
 
 
 def worker_state(worker_or_runner) -> WorkerState:

@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 from support.adapters import make_bad_adapters
-from support.step_hold import engine_steps, update_after_steps
+from support.step_hold import engine_steps, update_after_steps, update_while_stepping
 
 from art_protocol.client import ArtClient, ArtError, SpanError, validate_spans
 
@@ -146,6 +146,46 @@ def test_update_mid_generation_switches_at_the_update_step(server, art, versions
     assert tokens[:k] == baseline[:k]
     assert tokens[k : k + 8] != baseline[k : k + 8], "new weights must change the next tokens"
     assert preemptions(server) == p0, "no request may be preempted by an update"
+
+
+def test_update_while_the_engine_steps_rides_its_batches(server, art, versions, tiny_adapters):
+    """No hold: the update arrives while the engine steps, so its stage and its commit ride
+    the next scheduled batches instead of worker RPCs (engine_core/step_rides.py: an RPC
+    drains the batches in flight). The switch is as exact as at a hold: the tokens before it
+    are the old weights', the ones from the batch that carried the commit the new ones'."""
+    reset = _reset_to(art, tiny_adapters / "a", versions)
+    reset()
+    baseline = complete(server, max_tokens=LONG)["choices"][0]["token_ids"]
+    body = {
+        "model": "policy",
+        "prompt": PROMPT,
+        "max_tokens": LONG,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    v_before, v_new = _version(art), versions()
+    update = {"slot": "policy", "path": str(tiny_adapters / "b"), "version": v_new}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+            return await update_while_stepping(
+                client, lambda: client.post("/v1/completions", json=body), 2, update
+            )
+
+    resp, upd, s0, before, after = asyncio.run(run())
+    assert resp.status_code == 200 and upd.status_code == 200, (resp.text, upd.text)
+    assert after["rides"]["stepped"] - before["rides"]["stepped"] == 2  # stage and commit
+    assert after["rides"]["flushed"] == before["rides"]["flushed"]
+    choice = resp.json()["choices"][0]
+    tokens = choice["token_ids"]
+    spans = validate_spans(choice, LONG, latest_version=v_new)
+    assert [(s["slot"], s["version"]) for s in spans] == [("policy", v_before), ("policy", v_new)]
+    k = spans[0]["end"]
+    assert k == upd.json()["step"] - s0
+    assert tokens[:k] == baseline[:k]
+    assert tokens[k : k + 8] != baseline[k : k + 8], "new weights must change the next tokens"
+    assert after["label_mismatches"] == before["label_mismatches"]
 
 
 def test_step_labels_come_from_the_workers_and_agree_with_the_engine(

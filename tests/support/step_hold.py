@@ -59,3 +59,39 @@ async def update_after_steps(
     finally:
         if not task.done():
             task.cancel()
+
+
+async def engine_state(client: httpx.AsyncClient, headers: dict[str, str] | None = None) -> dict:
+    return (await client.get("/art/v1/engine", headers=headers)).json()
+
+
+async def update_while_stepping(
+    client: httpx.AsyncClient,
+    generation: Callable[[], Awaitable[Any]],
+    steps: int,
+    update: dict,
+    headers: dict[str, str] | None = None,
+) -> tuple[Any, httpx.Response, int, dict, dict]:
+    """Start `generation()` and publish `update` once the engine has completed `steps` steps
+    more, *without* holding it: the engine keeps stepping, so the update's stage and commit
+    ride its batches (`engine_core/step_rides.py`). The generation must be long enough to
+    outlast the update (the caller asserts that it did, from the spans and the ride counts).
+
+    Returns (the generation's result, the update's response, the step count `s0` before the
+    generation was sent, `/art/v1/engine` before and after).
+    """
+    before = await engine_state(client, headers)
+    s0 = before["steps"]
+    task = asyncio.create_task(generation())
+    try:
+        while await engine_steps(client) < s0 + steps:
+            if task.done():
+                await task
+                pytest.fail(f"the generation ended before engine step {s0 + steps}")
+            await asyncio.sleep(0.005)
+        upd = await client.post("/art/v1/lora/update", json=update, headers=headers)
+        result = await task
+        return result, upd, s0, before, await engine_state(client, headers)
+    finally:
+        if not task.done():
+            task.cancel()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from concurrent.futures import Future
 
 import pytest
 
@@ -98,12 +99,16 @@ def _run_to_end(core, tokens) -> None:
     raise AssertionError("the request did not finish")
 
 
-def _stage(core, tiny_adapters, tmp_path, version: int) -> str:
+def _stage(core, tiny_adapters, tmp_path, version: int, tokens) -> str:
+    """Stage as the busy loop would: the stage rides the next step (one `step_fn`), then the
+    workers read the files on their thread while the engine waits."""
     token = uuid.uuid4().hex
     stage_dir = staging.new_stage_dir(staging.StagingConfig(tmp_path), "policy", version)
     staging.write_files(stage_dir, read_adapter_files(tiny_adapters / "b").as_files())
     res = core.art_stage_lora_update(token, LORA_ID, "policy", str(stage_dir), version)
     assert res["ok"], res
+    outputs, _ = core.step_fn()
+    _collect(outputs, tokens)
     for _ in range(3000):
         ready, failed = staging.poll(stage_dir, res["ranks"])
         assert not failed, failed
@@ -111,6 +116,35 @@ def _stage(core, tiny_adapters, tmp_path, version: int) -> str:
             return token
         time.sleep(0.01)
     raise AssertionError("workers did not stage the adapter")
+
+
+#: What every step sends the workers (the multiprocessing executor sends it as an RPC too).
+STEP_METHODS = {"execute_model", "sample_tokens"}
+
+
+def _count_worker_rpcs(core) -> list[str]:
+    """Worker RPCs other than the steps themselves, from now on (filled as they are sent)."""
+    executor = compat.engine_executor(core)
+    sent: list[str] = []
+    rpc = executor.collective_rpc
+
+    def counted(method, *args, **kwargs):
+        if method not in STEP_METHODS:
+            sent.append(method if isinstance(method, str) else repr(method))
+        return rpc(method, *args, **kwargs)
+
+    executor.collective_rpc = counted
+    return sent
+
+
+def _answer(core, answer: Future, tokens) -> dict:
+    """Step as the busy loop does until the utility's answer is there."""
+    for _ in range(10):
+        if answer.done():
+            return answer.result()
+        outputs, _ = core.step_fn()
+        _collect(outputs, tokens)
+    raise AssertionError("the commit was not answered within 10 steps")
 
 
 def test_engine_core_runs_a_batch_queue_of_two_on_cpu(core):
@@ -126,19 +160,24 @@ def test_inflight_batch_keeps_the_version_it_was_scheduled_with(core, tiny_adapt
 
     tokens: list[tuple[int, int]] = []
     _add(core, tiny_adapters, "updated")
-    for _ in range(6):  # a few steps of the request, then one more batch in flight
+    for _ in range(5):  # a few steps of the request, then one more batch in flight
         outputs, _ = core.step_fn()
         _collect(outputs, tokens)
+    rpcs = _count_worker_rpcs(core)
+    # Between two steps, as the busy loop runs utility calls: stage (it rides the next step;
+    # the worker reads the files on its thread while the in-flight batch computes) ...
+    token = _stage(core, tiny_adapters, tmp_path, 1, tokens)
     returned = len(tokens)
     inflight = len(core.batch_queue)
     assert 0 < returned < TOKENS // 2 and inflight == 1, (returned, inflight)
-
-    # Between two steps, as the busy loop runs utility calls: stage (the worker reads the
-    # files on its thread while the in-flight batch computes), then commit.
-    token = _stage(core, tiny_adapters, tmp_path, version=1)
-    result = core.art_commit_lora_update(token)
+    # ... then commit: it rides the next batch scheduled, so it is answered with that
+    # batch's output, and the batch in flight is never drained.
+    answer = core.art_commit_lora_update(token)
+    assert isinstance(answer, Future) and not answer.done()
+    result = _answer(core, answer, tokens)
     assert result["ok"], result
     assert result["inflight_batches"] == 1
+    assert rpcs == [], f"the update sent worker RPCs {rpcs} (each drains the batch queue)"
     _run_to_end(core, tokens)
 
     assert len(tokens) == TOKENS

@@ -8,6 +8,7 @@ commit failure is injected with the test-only fault hook (`ART_TEST_HOOKS=1` ena
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -15,8 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from support.adapters import copy_adapter, edit_config
+from support.step_hold import update_while_stepping
 
-from art_protocol.client import ArtClient, ArtError
+from art_protocol.client import ArtClient, ArtError, validate_spans
 from art_vllm_plugin import staging
 from art_vllm_plugin.adapters import (
     WEIGHTS_FILE,
@@ -125,6 +127,52 @@ def test_a_commit_failing_on_one_worker_restores_every_worker_and_is_500(
     assert tokens(server) == tokens(server, "ref_b")
     art.update("policy", tiny_adapters / "a", before_version + 2)
     assert tokens(server) == before
+
+
+def test_a_commit_riding_a_step_that_fails_on_one_rank_never_reaches_a_forward(
+    server, art, tiny_adapters
+):
+    """The update arrives while the engine steps, so its commit rides a batch
+    (engine_core/step_rides.py); worker rank 1 fails it. Both ranks agree before the forward
+    and rank 0 puts its weights back there: the running generation never computes a token on
+    new or rank-mixed weights (every token is the old weights', labelled so), the answer is
+    500 with everything restored, and the engine's stamps needed no correction by the workers'
+    labels beyond the failed commit's own batches."""
+    before_version = _version(art)
+    body = {
+        "model": "policy",
+        "prompt": PROMPT,
+        "max_tokens": 160,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    baseline = httpx.post(server.url + "/v1/completions", json=body, timeout=300).json()
+    armed = httpx.post(
+        server.url + "/art/v1/test/fault", json={"kind": "commit", "rank": 1}, timeout=60
+    )
+    assert armed.status_code == 200, armed.text
+    update = {"slot": "policy", "path": str(tiny_adapters / "b"), "version": before_version + 1}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+            return await update_while_stepping(
+                client, lambda: client.post("/v1/completions", json=body), 2, update
+            )
+
+    resp, upd, _, before, after = asyncio.run(run())
+    assert upd.status_code == 500, upd.text
+    assert "injected commit failure on rank 1" in upd.text
+    assert "every worker restored its previous weights" in upd.text
+    assert after["rides"]["stepped"] - before["rides"]["stepped"] == 2  # stage and commit
+    assert after["failed_commits"] == before["failed_commits"] + 1
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["token_ids"] == baseline["choices"][0]["token_ids"]
+    spans = validate_spans(choice, 160, latest_version=before_version)
+    assert [(s["slot"], s["version"]) for s in spans] == [("policy", before_version)]
+    assert _version(art) == before_version
+    assert tokens(server) == tokens(server, "policy")
 
 
 def test_an_adapter_the_workers_loader_refuses_is_422(server, art, tiny_adapters, scratch):

@@ -1,0 +1,53 @@
+"""vLLM names a slot update riding the step loop reaches (`engine_core/step_rides.py`,
+`worker/step_rides.py`).
+
+vLLM 0.32: `EngineCore.step` / `step_with_batch_queue` call `scheduler.schedule()` and send
+the `SchedulerOutput` (a plain dataclass, pickled to every worker by the multiprocessing
+executor, so an extra attribute travels with it) only while `scheduler.has_requests()`;
+otherwise the busy loop waits for input without stepping. The tensor-parallel ranks of one
+engine share `get_tp_group()`, whose `cpu_group` is a gloo group on every platform.
+"""
+
+from __future__ import annotations
+
+from art_vllm_plugin.compat import names
+from art_vllm_plugin.compat.patching import load
+
+
+def engine_will_step(core) -> bool:
+    """Whether the busy loop's next step schedules a batch and sends it to the workers."""
+    return bool(core.scheduler.has_requests())
+
+
+def engine_worker_count(core) -> int:
+    """Workers of this engine (tensor x pipeline parallel), numbered from 0."""
+    return int(core.vllm_config.parallel_config.world_size)
+
+
+def engine_pipeline_stages(core) -> int:
+    return int(core.vllm_config.parallel_config.pipeline_parallel_size)
+
+
+def worker_tp_cpu_group():
+    """The CPU group of this worker's tensor-parallel ranks; None when it is alone."""
+    group = load(names.GET_TP_GROUP)()
+    return group.cpu_group if group.world_size > 1 else None
+
+
+def count_across(group, n: int) -> int:
+    """Sum of `n` over the ranks of `group` (a collective: every rank calls it)."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(total, group=group)
+    return int(total.item())
+
+
+def gather_across(group, obj) -> list:
+    """`obj` of every rank of `group`, in rank order (a collective)."""
+    import torch.distributed as dist
+
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,77 @@
+"""Worker side of slot updates that ride the engine's step loop (`engine_core/step_rides.py`).
+
+EngineCore attaches an update's stage and commit to the next `SchedulerOutput` instead of
+sending them as RPCs (an RPC drains the batches in flight first: a pipeline bubble). Every
+worker of the engine receives that output and runs its rides at the start of the step,
+before the forward and under the weights lock (`forward_labels`), so the forward computes
+on the new weights and reports the new label. When the engine will not step (idle, paused)
+EngineCore sends the same rides as one RPC (`art_run_rides`) instead.
+
+A commit is all or nothing across the engine's workers *before* any forward uses it: each
+tensor-parallel rank swaps, then the ranks agree (one all-reduce of a failure count on the
+tensor-parallel CPU group; the messages are gathered only when one failed); where any failed,
+the ranks that swapped put their previous weights back at once. So no step ever computes on
+weights mixed across ranks, and the result every rank returns is the engine's result (the
+executor hands EngineCore the output of one rank only).
+
+A stage ride only starts the staging thread (`lora_slot_writer.art_stage_lora_update`); its
+outcome is the markers it leaves, as for a staging RPC.
+"""
+
+from __future__ import annotations
+
+import time
+
+from art_vllm_plugin import compat
+from art_vllm_plugin.worker import lora_slot_writer
+from art_vllm_plugin.worker.state import worker_state
+
+#: Ride kinds, as EngineCore sends them: (kind, token, args).
+STAGE = "stage"
+COMMIT = "commit"
+
+
+def run(worker, rides: list[tuple]) -> list[dict | None]:
+    """Run the step's rides in order; the caller holds the weights lock. One result per ride:
+    the engine-wide outcome of a commit, None for a stage."""
+    results: list[dict | None] = []
+    for kind, token, args in rides:
+        if kind == STAGE:
+            lora_slot_writer.art_stage_lora_update(worker, token, *args)
+            results.append(None)
+        elif kind == COMMIT:
+            results.append(_commit_everywhere(worker, token, *args))
+        else:
+            raise ValueError(f"unknown ride kind {kind!r}")
+    return results
+
+
+def art_run_rides(self, rides: list[tuple]) -> list[dict | None]:
+    """RPC form, for an engine that will not step: the same rides under the weights lock."""
+    with worker_state(self).weights_lock:
+        return run(self, rides)
+
+
+def _commit_everywhere(worker, token: str, label: str | None) -> dict:
+    t0 = time.perf_counter()
+    mine = lora_slot_writer.commit_locked(worker, token, label)
+    group = compat.worker_tp_cpu_group()
+    outcomes = [mine]
+    if group is not None and compat.count_across(group, 0 if mine["ok"] else 1):
+        outcomes = compat.gather_across(group, mine)
+    failed = [o for o in outcomes if not o["ok"]]
+    restored = True
+    if failed:
+        restored = all(o.get("restored") for o in failed)
+        if mine["ok"]:  # another rank failed: put this rank's previous weights back now
+            back = lora_slot_writer.rollback_locked(worker, token)
+            restored = restored and back["ok"]
+            mine = {**mine, "ok": False, "restored": back["ok"], "error": back.get("error")}
+        if group is not None:  # every rank must learn whether every rank restored
+            restored = not compat.count_across(group, 0 if restored else 1)
+    return {
+        "ok": not failed,
+        "errors": [f"rank {o['rank']}: {o['error']}" for o in failed],
+        "restored": restored,
+        "swap_ms": (time.perf_counter() - t0) * 1000.0,
+    }
