@@ -9,8 +9,14 @@ Two wrappers, applied by `art_vllm_plugin.install` in this order (the second out
    leaves its alias for the stream generator (`stream_spans`), which ends the stream instead.
    A request on a blocked slot (its update left its weights unknown) is answered 503 naming
    the failed update, before it starts or when the engine ended it (`blocked_slots`).
-2. `refresh_before_alias`: an alias request first re-reads the slot registry from EngineCore
-   (one utility call), so the check sees updates that went through another API server.
+2. `refresh_before_alias`: an alias request is checked against a registry copy that is
+   current: with one API server, the copy it keeps exact itself; with several, the copy
+   cached at engine 0's pushed registry generation (`ApiServerState.registry_slots`), so an
+   alias request costs no engine round trip. A push can trail an update made through another
+   API server by a moment, so an alias that copy does not serve is checked once more against
+   a fresh read before it is refused. A copy that is behind can only miss a newer version:
+   an alias it accepts that was replaced meanwhile is still refused by the check of the
+   tokens' versions.
 
 Both reach the API server's state through the serving object (`api_server_state`).
 """
@@ -79,8 +85,21 @@ def refresh_before_alias(create):
     @functools.wraps(create)
     async def create_refreshed(self, request, raw_request=None):
         state = api_server_state(self)
-        if state is not None and aliases.is_alias(getattr(request, "model", None)):
-            await state.slots.refresh()
+        model = getattr(request, "model", None)
+        if state is not None and aliases.is_alias(model):
+            await _registry_for_alias(state, model)
         return await create(self, request, raw_request)
 
     return create_refreshed
+
+
+async def _registry_for_alias(state, model: str) -> None:
+    if state.slots.sole_api_server:
+        await state.slots.refresh()  # a no-op once read: every update passes through here
+        return
+    await state.follow_engines()
+    await state.registry_slots()
+    try:
+        state.resolve_alias(model)
+    except aliases.AliasRefused:
+        await state.slots.refresh()  # the cached copy may trail another API server's update

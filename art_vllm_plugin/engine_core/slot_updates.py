@@ -314,7 +314,9 @@ def art_registry_register(self, slots: list[dict]) -> dict:
 
 
 def art_registry_snapshot(self) -> dict:
-    return engine_state(self).registry.snapshot()
+    engine = engine_state(self)
+    engine.registry_reads += 1
+    return engine.registry.snapshot()
 
 
 def art_reserve_update(
@@ -419,4 +421,7 @@ def art_slot_state(self) -> dict[str, Any]:
         # Stage and commit work that rode a scheduled batch, or went as an RPC to an engine
         # that was not stepping (step_rides.py).
         "rides": {"stepped": engine.rides.stepped, "flushed": engine.rides.flushed},
+        # Registry reads by API servers (`art_registry_snapshot`): alias checks and
+        # /art/metrics answer from their cached copy, so these stay rare under load.
+        "registry_reads": engine.registry_reads,
     }

@@ -115,6 +115,7 @@ class EngineCoreState:
     stamps: BatchStamps = field(default_factory=BatchStamps)
     leases: LeaseLabels = field(default_factory=LeaseLabels)
     rides: Rides = field(default_factory=Rides)
+    registry_reads: int = 0  # `art_registry_snapshot` calls
     #: Test-only (ART_TEST_HOOKS=1, `art_test_hold_at_step`): once this many steps have
     #: completed, the engine freezes its running requests itself (then None again).
     hold_at_step: int | None = None

@@ -150,6 +150,26 @@ def test_both_api_servers_agree_right_after_an_update(api_servers, tiny_adapters
         assert f"current is policy@{v}" in stale.text
 
 
+def test_aliases_of_the_current_version_cost_no_registry_read(api_servers, tiny_adapters):
+    """With two API servers an alias is checked against the registry copy cached at engine
+    0's pushed registry generation: after an update and one alias request per API server,
+    further alias requests read nothing from the engines (each read waits for a step)."""
+    a, b = api_servers
+    v = version(a) + 1
+    assert (
+        post_update(a, slot="policy", path=str(tiny_adapters / "b"), version=v).status_code == 200
+    )
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "model": f"policy@{v}"}
+    for client in (a, b):
+        assert client.post("/v1/completions", json=body).status_code == 200
+    reads = a.get("/art/v1/engine").json()["registry_reads"]
+    for _ in range(4):
+        for client in (a, b):
+            resp = client.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+    assert a.get("/art/v1/engine").json()["registry_reads"] == reads
+
+
 def test_requests_served_by_each_engine_carry_the_new_weights_and_spans(
     server, api_servers, tiny_adapters, refs
 ):
