@@ -31,7 +31,7 @@ the next step, so no update waits for a step that never comes.
 
 from __future__ import annotations
 
-import time
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -42,6 +42,8 @@ from art_vllm_plugin.worker.forward_labels import RIDES_ATTR, ride_results_of
 from art_vllm_plugin.worker.step_rides import COMMIT, STAGE
 
 __all__ = ["COMMIT", "STAGE", "Ride", "queue", "rides_enabled"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,9 +93,15 @@ def flush(core, state: EngineCoreState) -> None:
     for ride in rides:
         if ride.before_step is not None:
             ride.before_step()
-    results = compat.engine_executor(core).collective_rpc(
-        "art_run_rides", args=([r.wire() for r in rides],)
-    )
+    try:
+        results = compat.engine_executor(core).collective_rpc(
+            "art_run_rides", args=([r.wire() for r in rides],)
+        )
+    except Exception as exc:
+        # Whether the workers swapped is unknown: a commit is answered so (its slot is
+        # blocked), and the caller learns of the error (a utility call fails with it).
+        _settle(rides, [_unknown(r, f"the workers' RPC failed: {exc}") for r in rides])
+        raise
     _settle(rides, results[0])
 
 
@@ -126,14 +134,15 @@ def on_output(state: EngineCoreState, scheduler_output, model_runner_output) -> 
         return
     results = ride_results_of(model_runner_output)
     if results is None or len(results) != len(rides):
-        missing = {
-            "ok": False,
-            "errors": ["the step's output carried no ride results"],
-            "restored": False,
-            "swap_ms": 0.0,
-        }
-        results = [missing if r.kind == COMMIT else None for r in rides]
+        results = [_unknown(r, "the step's output carried no ride results") for r in rides]
     _settle(rides, results)
+
+
+def _unknown(ride: Ride, why: str) -> dict | None:
+    """The result of a ride whose outcome on the workers is not known."""
+    if ride.kind != COMMIT:
+        return None
+    return {"ok": False, "errors": [why], "restored": False, "swap_ms": 0.0}
 
 
 def _settle(rides: list[Ride], results: list) -> None:
@@ -155,10 +164,9 @@ def flush_if_idle(process_input_queue):
         process_input_queue(self)
         state = engine_state(self)
         if state.rides.pending and not compat.engine_will_step(self):
-            flush(self, state)
+            try:
+                flush(self, state)
+            except Exception:  # answered to the rides' callers; the loop goes on
+                logger.exception("art: sending queued slot-update rides to the workers failed")
 
     return _process_input_queue
-
-
-def elapsed_ms(t0: float) -> float:
-    return (time.perf_counter() - t0) * 1000.0

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 
-from art_vllm_plugin import compat
+from art_vllm_plugin import compat, staging
 from art_vllm_plugin.worker import lora_slot_writer
 from art_vllm_plugin.worker.state import worker_state
 
@@ -37,13 +37,25 @@ def run(worker, rides: list[tuple]) -> list[dict | None]:
     results: list[dict | None] = []
     for kind, token, args in rides:
         if kind == STAGE:
-            lora_slot_writer.art_stage_lora_update(worker, token, *args)
+            _start_staging(worker, token, *args)
             results.append(None)
         elif kind == COMMIT:
             results.append(_commit_everywhere(worker, token, *args))
         else:
             raise ValueError(f"unknown ride kind {kind!r}")
     return results
+
+
+def _start_staging(worker, token, lora_int_id, lora_name, stage_dir, marker_dir=None) -> None:
+    """Never raises: a ride that raised would take the step, and so the engine, down. The
+    failure goes where the API server looks for the outcome, the worker's marker."""
+    try:
+        lora_slot_writer.art_stage_lora_update(
+            worker, token, lora_int_id, lora_name, stage_dir, marker_dir
+        )
+    except Exception as exc:
+        rank = compat.worker_rank(worker)
+        staging.mark(marker_dir or stage_dir, rank, False, f"engine\n{type(exc).__name__}: {exc}")
 
 
 def art_run_rides(self, rides: list[tuple]) -> list[dict | None]:
@@ -54,7 +66,16 @@ def art_run_rides(self, rides: list[tuple]) -> list[dict | None]:
 
 def _commit_everywhere(worker, token: str, label: str | None) -> dict:
     t0 = time.perf_counter()
-    mine = lora_slot_writer.commit_locked(worker, token, label)
+    try:
+        mine = lora_slot_writer.commit_locked(worker, token, label)
+    except Exception as exc:  # raised before any write (the writes restore themselves)
+        # Every rank must reach the agreement below, or the others wait for it forever.
+        mine = {
+            "ok": False,
+            "rank": compat.worker_rank(worker),
+            "error": f"{type(exc).__name__}: {exc}",
+            "restored": True,
+        }
     group = compat.worker_tp_cpu_group()
     outcomes = [mine]
     if group is not None and compat.count_across(group, 0 if mine["ok"] else 1):

@@ -140,3 +140,35 @@ def test_engine_takes_the_worker_label_when_they_differ_and_counts_it():
     assert got == encode_versions({1: 3, 9: 4})  # the worker's, with the pinned lease
     assert state.stamps.label_mismatches == 1
     assert state.stamps.worker_labelled == 1
+
+
+def test_rides_run_before_the_forward_inside_the_lock_and_their_results_ride_back(monkeypatch):
+    """A batch carrying rides (engine_core/step_rides.py): the worker runs them at the start of
+    the step, holding the weights lock, before it reads the label; a commit's new label is the
+    label of that very forward, and the rides' results go back with the step's sampled
+    output (only that step's)."""
+    worker = _worker()
+    state = worker_state(worker)
+    state.label = "old"
+    ran = []
+
+    def run(w, rides):
+        assert state.weights_lock._is_owned(), "a ride ran outside the weights lock"
+        ran.append(rides)
+        state.label = "new"  # what a commit ride does
+        return [{"ok": True}]
+
+    monkeypatch.setattr(forward_labels.step_rides, "run", run)
+    execute_model = forward_labels.label_forwards(lambda self, so: None)
+    sample_tokens = forward_labels.label_sampled(lambda self, grammar: _output())
+    batch = SimpleNamespace(**{forward_labels.RIDES_ATTR: [("commit", "t", ("new",))]})
+    assert execute_model(worker, batch) is None
+    out = sample_tokens(worker, None)
+    assert ran == [[("commit", "t", ("new",))]]
+    assert forward_labels.label_of(out) == "new"
+    assert forward_labels.ride_results_of(out) == [{"ok": True}]
+    back = pickle.loads(pickle.dumps(out))  # as the multiprocessing executor sends it
+    assert forward_labels.ride_results_of(back) == [{"ok": True}]
+    assert execute_model(worker, SimpleNamespace()) is None  # the next batch carries none
+    assert forward_labels.ride_results_of(sample_tokens(worker, None)) is None
+    assert len(ran) == 1
