@@ -153,11 +153,12 @@ def test_both_api_servers_agree_right_after_an_update(api_servers, tiny_adapters
 def test_aliases_of_the_current_version_cost_no_registry_read(api_servers, tiny_adapters):
     """With two API servers an alias is checked against the registry copy cached at engine
     0's pushed registry generation: after an update and one alias request per API server,
-    further alias requests read nothing from the engines (each read waits for a step)."""
+    further alias requests read nothing from the engines (each read waits for a step). The
+    slot stays on adapter a (the `refs` of later tests)."""
     a, b = api_servers
     v = version(a) + 1
     assert (
-        post_update(a, slot="policy", path=str(tiny_adapters / "b"), version=v).status_code == 200
+        post_update(a, slot="policy", path=str(tiny_adapters / "a"), version=v).status_code == 200
     )
     body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "model": f"policy@{v}"}
     for client in (a, b):
