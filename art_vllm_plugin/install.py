@@ -64,6 +64,7 @@ def install_selected_process(plugin_handover: Callable) -> None:
 def install_engine_core() -> None:
     """EngineCore: utility calls, cache salting, batch labels, CPU layout."""
     from art_vllm_plugin.engine_core import (
+        abandoned_updates,
         batch_stamps,
         blocked_slots,
         cache_salting,
@@ -78,6 +79,8 @@ def install_engine_core() -> None:
     compat.add_all(P.SLOT_UPDATE_UTILITIES, slot_updates)
     # Slot updates ride the next step; an engine that will not step sends them as an RPC.
     compat.wrap(P.ENGINE_RIDE_FLUSH, step_rides.flush_if_idle)
+    # Updates an API server staged or committed and never ended free their workers' copies.
+    compat.wrap(P.ENGINE_ABANDONED_SWEEP, abandoned_updates.sweep_after_input)
     compat.add_all(P.LEASE_UTILITIES, lease_versions)
     # `add_request`: salting inside, scheduler stamping outside (the engine's scheduler is
     # stamped before its first request is salted, queued and scheduled).

@@ -95,6 +95,12 @@ ENGINE_RIDE_FLUSH = VllmPatch(
     by="engine_core.step_rides.flush_if_idle",
     why="slot-update rides queued for a step that will not come go to the workers as an RPC",
 )
+ENGINE_ABANDONED_SWEEP = VllmPatch(
+    _ENGINE,
+    "EngineCoreProc._process_input_queue",
+    by="engine_core.abandoned_updates.sweep_after_input",
+    why="updates staged or committed by an API server that never ended them free their copies",
+)
 CPU_LAYOUT_UTILITY = VllmPatch(
     _ENGINE,
     "EngineCoreProc.art_cpu_layout",

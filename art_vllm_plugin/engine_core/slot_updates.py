@@ -59,7 +59,13 @@ from typing import Any
 from art_protocol.digest import digest_dir
 from art_protocol.provenance import encode_versions
 from art_vllm_plugin import compat
-from art_vllm_plugin.engine_core import batch_stamps, blocked_slots, cache_salting, step_rides
+from art_vllm_plugin.engine_core import (
+    abandoned_updates,
+    batch_stamps,
+    blocked_slots,
+    cache_salting,
+    step_rides,
+)
 from art_vllm_plugin.engine_core.slot_registry import RESERVATION_TTL_S
 from art_vllm_plugin.engine_core.state import (
     CommittedInEngine,
@@ -86,15 +92,16 @@ def _stale(state: SlotUpdates, lora_int_id: int, name: str, version: int) -> dic
     return None
 
 
-def _open_commits(state: SlotUpdates, lora_int_id: int) -> list[int]:
+def _open_commits(core, lora_int_id: int) -> list[int]:
     """LoRA ids of other slots committed here and not yet finished (they may still revert).
 
     A leftover of this slot's own previous update is final: one slot's updates are serialised,
     so the next one starts only after the previous one finished (or its API server died)."""
+    state = engine_state(core).updates
     now = time.monotonic()
     for token, done in list(state.committed.items()):
         if done.lora_int_id == lora_int_id or now - done.at > RESERVATION_TTL_S:
-            del state.committed[token]
+            abandoned_updates.finalize(core, token)
     return sorted({done.lora_int_id for done in state.committed.values()})
 
 
@@ -123,7 +130,7 @@ def art_stage_lora_update(
             return {"ok": False, "kind": "adapter", "error": f"cannot digest {stage_dir}: {exc}"}
     if (why := engine.registry.digests.refusal(name, version, digest)) is not None:
         return {"ok": False, "kind": "conflict", "error": why}
-    if open_ids := _open_commits(state, lora_int_id):
+    if open_ids := _open_commits(self, lora_int_id):
         return {
             "ok": False,
             "kind": "busy",
@@ -347,7 +354,7 @@ def art_finish_update(
     """Every engine, once the update ended everywhere: the commit is final (no revert any
     more), the outcome is recorded and the reservation (engine 0) ends."""
     state = engine_state(self)
-    state.updates.committed.pop(token, None)
+    abandoned_updates.finalize(self, token)  # the workers drop their undo copy
     state.registry.finish(
         token,
         slot,
@@ -361,9 +368,9 @@ def art_finish_update(
 
 
 def art_abort_lora_update(self, token: str) -> bool:
-    engine_state(self).updates.staged.pop(token, None)
-    step_rides.drop(self, token)
-    compat.engine_executor(self).collective_rpc("art_abort_lora_update", args=(token,))
+    """Drop the staged update `token`: the workers drop their copies riding the next step (or
+    at once when the engine is not stepping), like the stage itself."""
+    abandoned_updates.abort(self, token)
     return True
 
 

@@ -26,6 +26,9 @@ class StagedInEngine:
     version: int
     ranks: list[int]
     stall_s: float  # step-loop time already spent on this update (the stage call)
+    #: When it was staged: one its API server never committed or aborted is abandoned after
+    #: `slot_registry.RESERVATION_TTL_S` (`abandoned_updates`).
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -86,6 +89,7 @@ class Rides:
     boarding: list = field(default_factory=list)
     riding: dict[int, list] = field(default_factory=dict)
     stepped: int = 0  # rides a scheduled batch carried
+    swept_at: float = 0.0  # last look for abandoned updates (`abandoned_updates`)
     flushed: int = 0  # rides sent as an RPC because the engine was not stepping
 
 

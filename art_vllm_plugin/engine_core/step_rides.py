@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from art_vllm_plugin import compat
 from art_vllm_plugin.engine_core.state import EngineCoreState, engine_state
 from art_vllm_plugin.worker.forward_labels import RIDES_ATTR, ride_results_of
-from art_vllm_plugin.worker.step_rides import COMMIT, STAGE
+from art_vllm_plugin.worker.step_rides import ABORT, COMMIT, FINAL, STAGE
 
-__all__ = ["COMMIT", "STAGE", "Ride", "queue", "rides_enabled"]
+__all__ = ["ABORT", "COMMIT", "FINAL", "STAGE", "Ride", "queue", "rides_enabled"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,14 @@ def queue(core, ride: Ride) -> Future:
     return ride.future
 
 
-def drop(core, token: str) -> None:
-    """Forget queued rides of `token` (an aborted update) that no batch carries yet."""
+def drop(core, token: str) -> bool:
+    """Forget queued rides of `token` (an aborted update) that no batch carries yet. True if
+    none was queued: the workers may have its stage (it rode a batch or an RPC)."""
     rides = engine_state(core).rides
-    rides.pending = [r for r in rides.pending if r.token != token]
+    kept = [r for r in rides.pending if r.token != token]
+    sent = len(kept) == len(rides.pending)
+    rides.pending = kept
+    return sent
 
 
 def flush(core, state: EngineCoreState) -> None:

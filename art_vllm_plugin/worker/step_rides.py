@@ -14,7 +14,9 @@ the ranks that swapped put their previous weights back at once. So no step ever 
 weights mixed across ranks, and the result every rank returns is the engine's result (the
 executor hands EngineCore the output of one rank only).
 
-A stage ride only starts the staging thread (`lora_slot_writer.art_stage_lora_update`); its
+An abort ride drops a staged update; a final ride drops the undo copy of a commit that can no
+longer be reverted (the update finished on every engine). A stage ride only starts the
+staging thread (`lora_slot_writer.art_stage_lora_update`); its
 outcome is the markers it leaves, as for a staging RPC.
 """
 
@@ -29,6 +31,10 @@ from art_vllm_plugin.worker.state import worker_state
 #: Ride kinds, as EngineCore sends them: (kind, token, args).
 STAGE = "stage"
 COMMIT = "commit"
+#: Drop what is staged for an update (aborted, or abandoned by a dead API server).
+ABORT = "abort"
+#: An update is final everywhere: drop the undo copy its commit kept here.
+FINAL = "final"
 
 
 def run(worker, rides: list[tuple]) -> list[dict | None]:
@@ -41,6 +47,12 @@ def run(worker, rides: list[tuple]) -> list[dict | None]:
             results.append(None)
         elif kind == COMMIT:
             results.append(_commit_everywhere(worker, token, *args))
+        elif kind == ABORT:
+            lora_slot_writer.art_abort_lora_update(worker, token)
+            results.append(None)
+        elif kind == FINAL:
+            worker_state(worker).undo.pop(token, None)
+            results.append(None)
         else:
             raise ValueError(f"unknown ride kind {kind!r}")
     return results

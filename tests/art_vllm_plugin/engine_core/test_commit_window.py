@@ -3,16 +3,22 @@
 A worker forgets every update's undo when it starts staging (`worker/lora_slot_writer.py`), so
 EngineCore answers `busy` while another slot's commit is not yet finished everywhere (the API
 server asks again). A leftover of the same slot's previous update, or one whose API server
-died long ago (`RESERVATION_TTL_S`), is final and does not hold anything up.
+died long ago (`RESERVATION_TTL_S`), is final and does not hold anything up: it is made final
+here and on the workers (a FINAL ride drops their undo copy).
 """
 
 from __future__ import annotations
 
 import time
 
+import pytest
+from support.stand_in_engine import stand_in_engine
+
 from art_vllm_plugin.engine_core import slot_updates
 from art_vllm_plugin.engine_core.slot_registry import RESERVATION_TTL_S
-from art_vllm_plugin.engine_core.state import CommittedInEngine, SlotUpdates
+from art_vllm_plugin.engine_core.state import CommittedInEngine, engine_state
+
+pytestmark = pytest.mark.serve
 
 
 def committed(lora_int_id: int, at: float | None = None):
@@ -22,21 +28,27 @@ def committed(lora_int_id: int, at: float | None = None):
 
 
 def test_another_slots_open_commit_holds_staging_back():
-    state = SlotUpdates()
+    core, sent = stand_in_engine(has_requests=False)
+    state = engine_state(core).updates
     state.committed["t-other"] = committed(2)
-    assert slot_updates._open_commits(state, 1) == [2]
+    assert slot_updates._open_commits(core, 1) == [2]
     assert "t-other" in state.committed  # it may still revert: kept
+    assert sent == []
 
 
 def test_the_same_slots_leftover_is_final():
-    state = SlotUpdates()
+    core, sent = stand_in_engine(has_requests=False)
+    state = engine_state(core).updates
     state.committed["t-old"] = committed(1)
-    assert slot_updates._open_commits(state, 1) == []
+    assert slot_updates._open_commits(core, 1) == []
     assert not state.committed
+    assert sent == [("art_run_rides", ([("final", "t-old", ())],))]
 
 
 def test_a_commit_left_by_a_dead_api_server_expires():
-    state = SlotUpdates()
+    core, sent = stand_in_engine(has_requests=False)
+    state = engine_state(core).updates
     state.committed["t-dead"] = committed(2, at=time.monotonic() - RESERVATION_TTL_S - 1)
-    assert slot_updates._open_commits(state, 1) == []
+    assert slot_updates._open_commits(core, 1) == []
     assert not state.committed
+    assert sent == [("art_run_rides", ([("final", "t-dead", ())],))]

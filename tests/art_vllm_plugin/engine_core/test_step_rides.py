@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from support.stand_in_engine import stand_in_engine
 
 from art_vllm_plugin.engine_core import batch_stamps, step_rides
 from art_vllm_plugin.engine_core.state import engine_state
@@ -19,24 +20,8 @@ from art_vllm_plugin.worker.forward_labels import RIDE_RESULTS_ATTR, RIDES_ATTR
 pytestmark = pytest.mark.serve
 
 
-def _engine(has_requests: bool):
-    sent = []
-
-    def collective_rpc(method, args=()):
-        sent.append((method, args))
-        return [[{"ok": True, "swap_ms": 0.1} if r[0] == "commit" else None for r in args[0]]]
-
-    core = SimpleNamespace(
-        scheduler=SimpleNamespace(has_requests=lambda: has_requests),
-        model_executor=SimpleNamespace(collective_rpc=collective_rpc),
-        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1)),
-    )
-    engine_state(core).stamps.scheduler_stamped = True
-    return core, sent
-
-
 def test_an_engine_that_will_not_step_sends_the_rides_at_once():
-    core, sent = _engine(has_requests=False)
+    core, sent = stand_in_engine(has_requests=False)
     took_effect = []
     ride = step_rides.Ride(
         step_rides.COMMIT, "t1", ("L1",), before_step=lambda: took_effect.append(1)
@@ -49,7 +34,7 @@ def test_an_engine_that_will_not_step_sends_the_rides_at_once():
 
 
 def test_a_stepping_engine_sends_the_rides_with_the_next_batch_and_answers_at_its_output():
-    core, sent = _engine(has_requests=True)
+    core, sent = stand_in_engine(has_requests=True)
     state = engine_state(core)
     order = []
     stage = step_rides.Ride(step_rides.STAGE, "t0", (1, "policy", "/stage", "/markers"))
@@ -79,7 +64,7 @@ def test_a_stepping_engine_sends_the_rides_with_the_next_batch_and_answers_at_it
 
 
 def test_a_batch_whose_output_lost_the_results_answers_its_commit_as_unknown():
-    core, _ = _engine(has_requests=True)
+    core, _ = stand_in_engine(has_requests=True)
     state = engine_state(core)
     got = []
     ride = step_rides.Ride(step_rides.COMMIT, "t1", (), settle=lambda r: got.append(r) or r)
@@ -94,7 +79,7 @@ def test_a_batch_whose_output_lost_the_results_answers_its_commit_as_unknown():
 def test_rides_queued_for_a_step_that_never_comes_go_out_from_the_busy_loop():
     """The requests went away (aborted, finished, paused) between the utility call and the
     next step: the busy loop sends the queued rides instead of waiting forever."""
-    core, sent = _engine(has_requests=True)
+    core, sent = stand_in_engine(has_requests=True)
     future = step_rides.queue(core, step_rides.Ride(step_rides.COMMIT, "t1", ()))
     assert not future.done()
     core.scheduler.has_requests = lambda: False
@@ -103,7 +88,7 @@ def test_rides_queued_for_a_step_that_never_comes_go_out_from_the_busy_loop():
 
 
 def test_an_aborted_update_drops_its_queued_rides():
-    core, _ = _engine(has_requests=True)
+    core, _ = stand_in_engine(has_requests=True)
     step_rides.queue(core, step_rides.Ride(step_rides.STAGE, "t1", ()))
     step_rides.drop(core, "t1")
     assert engine_state(core).rides.pending == []

@@ -172,3 +172,18 @@ def test_rides_run_before_the_forward_inside_the_lock_and_their_results_ride_bac
     assert execute_model(worker, SimpleNamespace()) is None  # the next batch carries none
     assert forward_labels.ride_results_of(sample_tokens(worker, None)) is None
     assert len(ran) == 1
+
+
+def test_abort_and_final_rides_free_what_the_worker_holds_for_an_update():
+    """An ABORT ride drops the update's staged copies, a FINAL ride the undo copy its commit
+    kept (engine_core/abandoned_updates.py sends them); other updates keep theirs."""
+    from art_vllm_plugin.worker import step_rides
+    from art_vllm_plugin.worker.state import StagedUpdate, Undo
+
+    worker = _worker()
+    state = worker_state(worker)
+    state.staged.update(gone=StagedUpdate(1), kept=StagedUpdate(2))
+    state.undo.update(final=Undo(1, None, None, "old"), open=Undo(2, None, None, "old"))
+    results = step_rides.run(worker, [("abort", "gone", ()), ("final", "final", ())])
+    assert results == [None, None]
+    assert set(state.staged) == {"kept"} and set(state.undo) == {"open"}
