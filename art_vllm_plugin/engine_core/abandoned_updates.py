@@ -13,7 +13,7 @@ they cost no RPC while the engine steps.
 `ABANDONED_AFTER_S` is the registry's reservation lifetime (`slot_registry.RESERVATION_TTL_S`):
 engine 0 admits another update of the slot after that long, so by then no API server can still
 be driving the old one. The engine looks at most every `SWEEP_EVERY_S`, after a round of input
-(`step_rides.flush_if_idle`): every step while it is busy, on its next input when idle (a
+(`sweep_after_input`): every step while it is busy, on its next input when idle (a
 request, or any API call), since an idle EngineCore blocks on its input queue.
 """
 
