@@ -6,6 +6,10 @@ fleet, the trainer's `post_update`) builds one with `UpdateRequest(...)` and sen
 side that reads it: a client that builds a bad request fails before it sends anything, with the
 same message the server would answer with a 400.
 
+A push (`art_protocol.push`: the adapter's files travel in the body, `multipart/form-data`)
+carries the same request without `path`: `UpdateRequest(slot, None, version, ...)`, read by the
+server with `from_push_json`.
+
 The response is a plain JSON object (`UpdateResponse.from_json` reads it back typed); its
 `receipts` say which engine committed which version at which step.
 """
@@ -23,6 +27,7 @@ ROUTE = "/art/v1/lora/update"
 #: Longest accepted `operation_id` (EngineCore keeps the last 512 per slot).
 MAX_OPERATION_ID = 200
 _FIELDS = '{"slot", "path", "version"[, "operation_id", "expected_version", "digest"]}'
+_PUSH_FIELDS = '{"slot", "version"[, "operation_id", "expected_version", "digest"]}'
 
 
 class UpdateRequestError(ValueError):
@@ -35,7 +40,7 @@ def _is_version(v: Any) -> bool:
 
 @dataclass(frozen=True)
 class UpdateRequest:
-    """Publish `path` as `version` of `slot`.
+    """Publish `path` as `version` of `slot` (`path` None: a push, the files are in the body).
 
     `operation_id` makes a retry idempotent (the server answers a repeated id with the first
     response, `replayed: true`); `expected_version` is a compare-and-swap on the slot's
@@ -44,7 +49,7 @@ class UpdateRequest:
     """
 
     slot: str
-    path: str
+    path: str | None
     version: int
     operation_id: str | None = None
     expected_version: int | None = None
@@ -53,7 +58,7 @@ class UpdateRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.slot, str) or not self.slot:
             raise UpdateRequestError(f"'slot' must be a non-empty string, got {self.slot!r}")
-        if not isinstance(self.path, str) or not self.path:
+        if self.path is not None and (not isinstance(self.path, str) or not self.path):
             raise UpdateRequestError(f"'path' must be a non-empty string, got {self.path!r}")
         if not _is_version(self.version):
             raise UpdateRequestError(
@@ -80,6 +85,8 @@ class UpdateRequest:
         Unknown fields are ignored (a newer client may send more)."""
         if not isinstance(body, Mapping):
             raise UpdateRequestError(f"body must be a JSON object {_FIELDS}")
+        if body.get("path") is None:
+            raise UpdateRequestError(f"'path' must be a non-empty string, got {None!r}")
         return cls(
             slot=body.get("slot"),
             path=body.get("path"),
@@ -89,19 +96,44 @@ class UpdateRequest:
             digest=body.get("digest"),
         )
 
+    @classmethod
+    def from_push_json(cls, body: Any) -> UpdateRequest:
+        """The `request` part of a push, or `UpdateRequestError` naming the bad field. A push
+        names no `path`: its adapter is the body's other parts."""
+        if not isinstance(body, Mapping):
+            raise UpdateRequestError(f"the 'request' part must be a JSON object {_PUSH_FIELDS}")
+        if "path" in body:
+            raise UpdateRequestError(
+                "'path' must not be given in a push: the adapter's files are the other parts "
+                f"of the body (the 'request' part is {_PUSH_FIELDS})"
+            )
+        return cls(
+            slot=body.get("slot"),
+            path=None,
+            version=body.get("version"),
+            operation_id=body.get("operation_id"),
+            expected_version=body.get("expected_version"),
+            digest=body.get("digest"),
+        )
+
     def to_json(self) -> dict[str, Any]:
-        """The body to send: the three required fields and every optional one that is set."""
+        """The body to send: the required fields and every optional one that is set (no
+        `path` for a push)."""
         body: dict[str, Any] = {"slot": self.slot, "path": self.path, "version": self.version}
+        if self.path is None:
+            del body["path"]
         for name in ("operation_id", "expected_version", "digest"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = value
         return body
 
-    def fingerprint(self) -> str:
-        """What "the same body" means for an operation id (the path as sent, not resolved)."""
+    def fingerprint(self, content: str | None = None) -> str:
+        """What "the same body" means for an operation id: the path as sent (not resolved),
+        or for a push the digest of its bytes (`content`, computed by the server)."""
+        source = self.path if self.path is not None else f"push {content}"
         return json.dumps(
-            [self.slot, self.path, self.version, self.expected_version, self.digest],
+            [self.slot, source, self.version, self.expected_version, self.digest],
             separators=(",", ":"),
         )
 

@@ -76,6 +76,24 @@ def _path_map_arg(value: str) -> str:
     return value
 
 
+def _staging_dir_arg(value: str) -> str:
+    from art_vllm_plugin.staging import StagingDirError, check_dir
+
+    try:
+        return str(check_dir(value, "--art-staging-dir"))
+    except StagingDirError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _adapter_bytes_arg(value: str) -> int:
+    from art_vllm_plugin.staging import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--art-max-adapter-bytes: {exc}") from exc
+
+
 class CpuLayoutAction(argparse.Action):
     """`--art-cpu-layout {auto,off}`: exported to the EngineCore process it concerns.
 
@@ -142,6 +160,45 @@ def add_art_options(parser: argparse.ArgumentParser) -> None:
         help="Capture the MoE experts every token was routed to (MoE models only; vLLM's "
         "native capture where available, the plugin's worker hook on the CPU build) and serve "
         "them on /art/v1/completions and /art/v1/chat/completions with return_routes.",
+    )
+    from art_vllm_plugin.api_server import body_limits
+
+    group.add_argument(
+        "--art-allow-unauthenticated",
+        action="store_true",
+        dest="art_allow_unauthenticated",
+        help="Without --api-key (or VLLM_API_KEY), accept requests that change the server's "
+        "state (POST /art/v1/lora/update, leases, test hooks) from anyone who can reach the "
+        "port. Default: they are refused (403); reads and generation stay open. For a trusted "
+        "network only (a loopback demo, tests).",
+    )
+    group.add_argument(
+        "--art-max-body-bytes",
+        type=body_limits.parse_max_body_bytes,
+        dest="art_max_body_bytes",
+        default=body_limits.DEFAULT_MAX_BODY_BYTES,
+        metavar="N",
+        help="Largest request body an /art route reads (default 16 MiB); a larger one is "
+        "refused with 413 before it is parsed. Multipart adapter pushes to "
+        "/art/v1/lora/update have their own limit.",
+    )
+    group.add_argument(
+        "--art-staging-dir",
+        type=_staging_dir_arg,
+        dest="art_staging_dir",
+        metavar="DIR",
+        help="Existing directory where updates stage adapters for the workers (memory-backed "
+        "is best). Default: ART_STAGING_DIR if set, else /dev/shm (64 MiB by default in "
+        "Docker and Kubernetes). An update the directory has no room for is refused with 507.",
+    )
+    group.add_argument(
+        "--art-max-adapter-bytes",
+        type=_adapter_bytes_arg,
+        dest="art_max_adapter_bytes",
+        metavar="N",
+        help="Largest adapter (both files together) an update may stage, by path or pushed; "
+        "a larger one is refused with 413 before it is staged. Bytes, or with KiB/MiB/GiB "
+        "(default 4GiB).",
     )
 
 

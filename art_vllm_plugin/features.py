@@ -30,6 +30,8 @@ class ServerFacts:
     routes_capture: str | None = None
     #: vLLM's model runner in the workers: "v2" (Model Runner V2, the GPU default) or "v1".
     model_runner: str | None = None
+    #: `--art-allow-unauthenticated`: without a key, state-changing routes are open to anyone.
+    allow_unauthenticated: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,17 @@ def _needs_lora_and_prefix_cache(facts: ServerFacts) -> str | None:
 
 
 def _needs_api_key(facts: ServerFacts) -> str | None:
-    return None if facts.api_key else "no API key is configured (--api-key / VLLM_API_KEY)"
+    if facts.api_key:
+        return None
+    state_changes = (
+        "open to anyone (--art-allow-unauthenticated)"
+        if facts.allow_unauthenticated
+        else "refused (403)"
+    )
+    return (
+        "no API key is configured (--api-key / VLLM_API_KEY): reads and generation are open, "
+        f"state-changing routes are {state_changes}"
+    )
 
 
 def _needs_cpu_layout(facts: ServerFacts) -> str | None:
@@ -83,6 +95,12 @@ _declare(
     _needs_lora,
 )
 _declare(
+    "adapter_push",
+    "POST /art/v1/lora/update also takes the adapter's files (multipart/form-data), streamed "
+    "into staging: the server needs no access to the trainer's directory",
+    _needs_lora,
+)
+_declare(
     "policy_spans",
     "per-token policy-version spans on every choice, streaming chunks included",
 )
@@ -97,7 +115,12 @@ _declare(
     "POST /art/v1/leases pins version N of a slot as model slot@N while the slot moves on",
     _needs_lora,
 )
-_declare("guarded_routes", "/art routes need the API key when one is set", _needs_api_key)
+_declare(
+    "guarded_routes",
+    "/art routes need the API key when one is set; without one, state-changing routes are "
+    "refused unless --art-allow-unauthenticated",
+    _needs_api_key,
+)
 _declare("metrics", "GET /art/metrics fast JSON snapshot")
 _declare(
     "cpu_layout",

@@ -35,6 +35,12 @@ VLLM_RUN_ENV = {
 }
 
 
+#: For servers these helpers start without an API key (demos, tests, benchmarks): they listen on
+#: 127.0.0.1 only, so they open the plugin's state-changing routes (updates, leases, test
+#: hooks), which a server without `--api-key` refuses by default (`api_server/auth.py`).
+ALLOW_UNAUTHENTICATED = ("--art-allow-unauthenticated",)
+
+
 def tiny_lora_args(max_loras: int = 2) -> tuple[str, ...]:
     """Serve flags for LoRA on the tiny model (demo, tests, benchmarks).
 

@@ -177,6 +177,7 @@ def run(args) -> dict:
         model=str(hf_model),
         args=(
             *serve_process.tiny_lora_args(),
+            *serve_process.ALLOW_UNAUTHENTICATED,  # loopback, no key: updates allowed
             "--lora-modules",
             f"policy={TINY / 'adapters' / 'a'}",
             "--art-adapter-root",

@@ -99,6 +99,7 @@ def run(layout: str, seconds: float, clients: int) -> dict:
         model=str(TINY / "model"),
         args=(
             *serve_process.tiny_lora_args(),
+            *serve_process.ALLOW_UNAUTHENTICATED,  # loopback, no key: updates allowed
             "--lora-modules",
             f"policy={adapters[0]}",
             "--art-cpu-layout",

@@ -54,6 +54,7 @@ def serve_config(
         model=str(TINY / "model"),
         args=(
             *serve_process.tiny_lora_args(),
+            *serve_process.ALLOW_UNAUTHENTICATED,  # loopback, no key: updates allowed
             "--max-num-seqs",
             "4",
             "--lora-modules",

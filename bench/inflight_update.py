@@ -208,7 +208,13 @@ def config(
     name = f"{'art' if plugin else 'stock'}-{runner}-r{rank}"
     return serve_process.ServeConfig(
         model=str(TINY / "model"),
-        args=(*args, "--lora-modules", f"policy={start.resolve()}"),
+        args=(
+            *args,
+            # loopback, no key: updates allowed (the stock server keeps stock flags)
+            *(serve_process.ALLOW_UNAUTHENTICATED if plugin else ()),
+            "--lora-modules",
+            f"policy={start.resolve()}",
+        ),
         plugin=plugin,
         env=env,
         log_path=Path(f".cache/logs/bench-inflight-{name}.log"),

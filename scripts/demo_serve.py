@@ -67,6 +67,8 @@ def main() -> None:
         model=str(model),
         args=(
             *serve_process.tiny_lora_args(),
+            # loopback and no key: the demo's update needs the unguarded routes
+            *serve_process.ALLOW_UNAUTHENTICATED,
             "--lora-modules",
             f"policy={adapters / 'a'}",
         ),

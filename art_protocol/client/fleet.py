@@ -23,6 +23,10 @@ Rules (docs/scale-out.md, "Several servers: the fleet"):
   own `/art/v1/slots`.
 - `reconcile()` re-publishes each slot's target (path, version, digest) to every replica
   that is not on it, e.g. one that restarted at version 0.
+- `publish(..., push=True)` pushes the adapter's bytes instead of its path (`art_protocol.push`):
+  the local directory is read once, and the same bytes, digest and `operation_id` go to every
+  replica; no replica needs to see the directory. `reconcile()` pushes a pushed target again,
+  read anew from that directory and checked against the target's digest.
 - One publisher per fleet: `publish`, `reconcile` and `slots` run one at a time; `healthy()`
   never waits for them. The fleet assumes it is the only publisher of its slots.
 """
@@ -48,6 +52,7 @@ from art_protocol.client.fleet_types import (
     SlotView,
 )
 from art_protocol.digest import digest_dir
+from art_protocol.push import AdapterBytes, multipart_files
 from art_protocol.updates import UpdateRequest
 
 UPDATE_ROUTE = "/art/v1/lora/update"
@@ -122,6 +127,7 @@ class Fleet:
         self._op_lock = threading.Lock()  # one publish / reconcile / slots at a time
         self._state_lock = threading.Lock()  # guards _targets and _quarantined
         self._targets: dict[str, UpdateRequest] = {}
+        self._pushed: set[str] = set()  # slots whose target was pushed (path: a local dir)
         self._quarantined: dict[str, str] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -167,6 +173,7 @@ class Fleet:
         version: int,
         digest: str | None = None,
         operation_id: str | None = None,
+        push: bool = False,
     ) -> PublishResult:
         """Post `{slot, path, version, digest}` to every replica at once.
 
@@ -177,25 +184,41 @@ class Fleet:
         `operation_id` defaults to a fresh id per call; pass your own (e.g. derived from the
         training step) to make a trainer that restarts and publishes the same step again
         idempotent: replicas that applied it answer with the first response.
+
+        `push=True`: `path` is a directory on this machine; its two files are read once here
+        and the same bytes are pushed to every replica (`art_protocol.push`), with `digest`
+        (default: the digest of those bytes). A directory that cannot be read is refused
+        (ValueError) before anything is sent.
         """
         if operation_id is None:
             operation_id = f"fleet-{uuid.uuid4().hex}"
         # Checks every field (UpdateRequestError, a ValueError) before anything is sent.
         UpdateRequest(slot, str(path), version, operation_id, digest=digest)
+        adapter = AdapterBytes.read(path) if push else None
+        if adapter is not None and digest is None:
+            digest = adapter.digest()
         digest = _published_digest(slot, str(path), version, digest)
         target = UpdateRequest(slot, str(path), version, operation_id, digest=digest)
         with self._op_lock:
             deadline = time.monotonic() + self.config.retry.deadline_s
             quarantined = self.quarantined()
             futures = [
-                self._pool.submit(self._send, url, slot, target, deadline, url in quarantined)
+                self._pool.submit(
+                    self._send, url, slot, target, deadline, url in quarantined, adapter
+                )
                 for url in self.urls
             ]
             results = tuple(f.result() for f in futures)
-            self._settle(slot, target, results)
+            self._settle(slot, target, results, pushed=push)
         return PublishResult(slot, target.path, version, target.operation_id, results)
 
-    def _settle(self, slot: str, target: UpdateRequest, results: Iterable[ReplicaResult]) -> None:
+    def _settle(
+        self,
+        slot: str,
+        target: UpdateRequest,
+        results: Iterable[ReplicaResult],
+        pushed: bool = False,
+    ) -> None:
         """Move the target if any replica applied it; quarantine or release each replica."""
         results = list(results)
         moved = any(r.ok for r in results)
@@ -203,6 +226,10 @@ class Fleet:
             before = self._targets.get(slot)
             if moved:
                 self._targets[slot] = target
+                if pushed:
+                    self._pushed.add(slot)
+                else:
+                    self._pushed.discard(slot)
         was_quarantined = self.quarantined()
         for r in results:
             if not r.ok and (moved or r.outcome is Outcome.FAILED):
@@ -243,12 +270,23 @@ class Fleet:
                 self._quarantined.pop(url, None)
 
     def _send(
-        self, url: str, slot: str, target: UpdateRequest, deadline: float, quarantined: bool
+        self,
+        url: str,
+        slot: str,
+        target: UpdateRequest,
+        deadline: float,
+        quarantined: bool,
+        adapter: AdapterBytes | None = None,
     ) -> ReplicaResult:
-        """One replica: post until it answers for good, the attempts or the deadline run out."""
+        """One replica: post until it answers for good, the attempts or the deadline run out.
+        With `adapter`, the update is a push of those bytes (`target.path` is only the local
+        directory they were read from)."""
         policy: RetryPolicy = self.config.retry
         max_attempts = self.config.quarantined_attempts if quarantined else policy.max_attempts
-        body = target.to_json()
+        if adapter is None:
+            send = {"json": target.to_json()}
+        else:
+            send = {"files": multipart_files(replace(target, path=None), adapter)}
         http = self._http[url]
         t0 = time.monotonic()
         delays = policy.delays()
@@ -268,7 +306,7 @@ class Fleet:
             attempts += 1
             try:
                 resp = http.post(
-                    UPDATE_ROUTE, json=body, timeout=min(policy.attempt_timeout_s, remaining)
+                    UPDATE_ROUTE, **send, timeout=min(policy.attempt_timeout_s, remaining)
                 )
             except httpx.TransportError as exc:
                 last_error, last_status = f"{type(exc).__name__}: {exc}", None
@@ -402,13 +440,38 @@ class Fleet:
 
         Each re-publish sends the target's path, version and digest under a fresh operation
         id. A replica ahead of the target (someone else published) is refused by it (409),
-        reported, and stays quarantined.
+        reported, and stays quarantined. A pushed target is pushed again from its local
+        directory, read once here for all replicas; if those files no longer have the
+        target's digest, nothing is sent and the repair fails, naming both digests.
         """
         with self._op_lock:
             survey = self._survey()
             with self._state_lock:
                 targets = dict(self._targets)
+                pushed = set(self._pushed)
             deadline = time.monotonic() + self.config.retry.deadline_s
+            reread_lock = threading.Lock()
+            reread: dict[str, AdapterBytes | ValueError] = {}
+
+            def pushed_bytes(target: UpdateRequest) -> AdapterBytes:
+                """The target's files, read once per reconcile, checked against its digest."""
+                with reread_lock:
+                    if target.slot not in reread:
+                        try:
+                            adapter = AdapterBytes.read(target.path)
+                            if adapter.digest() != target.digest:
+                                raise ValueError(
+                                    f"cannot push {target.slot}@{target.version} again: the "
+                                    f"files in {target.path} now have digest "
+                                    f"{adapter.digest()}, the fleet published {target.digest}"
+                                )
+                            reread[target.slot] = adapter
+                        except ValueError as exc:
+                            reread[target.slot] = exc
+                    found = reread[target.slot]
+                if isinstance(found, ValueError):
+                    raise found
+                return found
 
             def repair(url: str) -> list[ReplicaResult]:
                 have = survey[url]
@@ -420,8 +483,27 @@ class Fleet:
                     # A fresh operation id: a replica off the target must apply it, not replay
                     # the answer it gave the original publish before it diverged.
                     again = replace(target, operation_id=f"fleet-reconcile-{uuid.uuid4().hex}")
+                    adapter = None
+                    if slot in pushed:
+                        try:
+                            adapter = pushed_bytes(target)
+                        except ValueError as exc:
+                            out.append(
+                                ReplicaResult(
+                                    url,
+                                    slot,
+                                    target.version,
+                                    Outcome.FAILED,
+                                    0,
+                                    0.0,
+                                    error=str(exc),
+                                )
+                            )
+                            continue
                     # A replica that did not answer the survey gets the quarantined tries only.
-                    out.append(self._send(url, slot, again, deadline, quarantined=have is None))
+                    out.append(
+                        self._send(url, slot, again, deadline, have is None, adapter=adapter)
+                    )
                 return out
 
             per_url = dict(zip(self.urls, self._pool.map(repair, self.urls), strict=True))

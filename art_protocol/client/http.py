@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from art_protocol.push import AdapterBytes, multipart_files
 from art_protocol.updates import ROUTE as UPDATE_ROUTE
 from art_protocol.updates import UpdateRequest
 
@@ -57,6 +59,26 @@ class ArtClient:
         `UpdateRequestError` before anything is sent."""
         request = UpdateRequest(slot, str(path), version, operation_id, expected_version, digest)
         return self._json(self._http.post(UPDATE_ROUTE, json=request.to_json()))
+
+    def update_from_dir(
+        self,
+        slot: str,
+        local_dir: str | Path | AdapterBytes,
+        version: int,
+        *,
+        operation_id: str | None = None,
+        expected_version: int | None = None,
+        digest: str | None = None,
+    ) -> dict:
+        """Push the adapter in `local_dir` (a directory on *this* machine, read once, or its
+        `AdapterBytes`) to a slot: its two files travel in the request (`art_protocol.push`),
+        so the server needs no access to the directory. Answers, refusals and the optional
+        fields are those of `update`; the server refuses an adapter over its
+        `--art-max-adapter-bytes` (413) or one its staging directory has no room for (507).
+        A bad argument or an unreadable file raises `ValueError` before anything is sent."""
+        request = UpdateRequest(slot, None, version, operation_id, expected_version, digest)
+        adapter = local_dir if isinstance(local_dir, AdapterBytes) else AdapterBytes.read(local_dir)
+        return self._json(self._http.post(UPDATE_ROUTE, files=multipart_files(request, adapter)))
 
     def slots(self) -> list[dict]:
         return self._json(self._http.get("/art/v1/slots"))

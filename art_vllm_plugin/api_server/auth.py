@@ -1,9 +1,17 @@
-"""API-key guard for every `/art/*` route, the same rule vLLM applies to its own `/v1/*`.
+"""Who may call the `/art/*` routes: the API key, and strangers refused by default.
 
 When the server has a key (`--api-key`, repeatable, or `VLLM_API_KEY`), each `/art/*` request
-must carry `Authorization: Bearer <key>`, else 401. State-changing routes are therefore never
-reachable without the key; read-only ones are guarded exactly as `/v1/models` is. Keys are
-compared as SHA-256 digests in constant time.
+must carry `Authorization: Bearer <key>`, else 401: the same rule vLLM applies to its own
+`/v1/*`. Keys are compared as SHA-256 digests in constant time.
+
+Without a key, reading stays open as `/v1/models` is (GET: slots, capabilities, engine, leases;
+`/art/metrics` answers in `metrics_route.py` by the same rule), and so does generating
+(`GENERATION_ROUTES`, like `/v1/completions`). Every other `/art` request changes the server's
+state (an update, a lease, a test hook) and is refused with 403 naming both ways out, unless
+the server was started with `--art-allow-unauthenticated`. Why refuse by default: a server
+reachable on a network would otherwise let anyone replace the policy being trained. The rule
+is "everything but reads and generation", not a list of state-changing routes, so a route
+added later is guarded from its first day.
 """
 
 from __future__ import annotations
@@ -14,6 +22,13 @@ import secrets
 from collections.abc import Iterable
 
 from fastapi import HTTPException, Request
+
+#: Methods that only read.
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+#: POST routes that only generate, open whenever vLLM's `/v1/completions` is.
+GENERATION_ROUTES = frozenset({"/art/v1/completions", "/art/v1/chat/completions"})
+ALLOW_FLAG = "--art-allow-unauthenticated"
+UNAUTHORIZED = "missing or wrong API key for /art routes (send Authorization: Bearer <key>)"
 
 
 def configured_keys(cli_keys: Iterable[str] | None) -> list[bytes]:
@@ -32,11 +47,42 @@ def key_matches(header: str | None, digests: list[bytes]) -> bool:
     return match
 
 
+def changes_state(method: str, route: str) -> bool:
+    """Whether a request to `route` (the route's template, e.g. `/art/v1/leases/{lease_id}`)
+    may change the server's state: anything but a read or a generation."""
+    return method.upper() not in READ_METHODS and route not in GENERATION_ROUTES
+
+
+def refusal(
+    method: str,
+    route: str,
+    authorization: str | None,
+    digests: list[bytes],
+    allow_unauthenticated: bool,
+) -> tuple[int, str] | None:
+    """(status, message) when the request must be refused, else None."""
+    if digests:
+        return None if key_matches(authorization, digests) else (401, UNAUTHORIZED)
+    if allow_unauthenticated or not changes_state(method, route):
+        return None
+    return (
+        403,
+        f"{method.upper()} {route} changes the server's state and this server has no API key; "
+        "nothing changed. Start the server with --api-key KEY (or VLLM_API_KEY) and send "
+        f"Authorization: Bearer KEY, or, on a trusted network only, with {ALLOW_FLAG}",
+    )
+
+
 async def require_api_key(request: Request) -> None:
+    """The dependency of every `/art` router: applies `refusal` to the matched route."""
     state = getattr(request.app.state, "art", None)
-    digests = state.api_key_digests if state is not None else []
-    if digests and not key_matches(request.headers.get("Authorization"), digests):
-        raise HTTPException(
-            status_code=401,
-            detail="missing or wrong API key for /art routes (send Authorization: Bearer <key>)",
-        )
+    matched = request.scope.get("route")
+    refused = refusal(
+        request.method,
+        getattr(matched, "path", None) or request.url.path,
+        request.headers.get("Authorization"),
+        state.api_key_digests if state is not None else [],
+        bool(getattr(state, "allow_unauthenticated", False)),
+    )
+    if refused is not None:
+        raise HTTPException(status_code=refused[0], detail=refused[1])

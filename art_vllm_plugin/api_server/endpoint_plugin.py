@@ -17,11 +17,13 @@ class ArtEndpointPlugin:
     required_tasks = ("generate",)  # every /art route needs a generating engine
 
     def attach_router(self, app) -> None:
-        from art_vllm_plugin.api_server import metrics_route, route_completions
+        from art_vllm_plugin.api_server import body_limits, metrics_route, route_completions
         from art_vllm_plugin.api_server.routes import router
 
         app.include_router(router)
         app.include_router(route_completions.router)
+        # Bodies to /art bounded before any route parses them (--art-max-body-bytes).
+        app.add_middleware(body_limits.ArtBodyLimitMiddleware)
         app.add_middleware(metrics_route.ArtMetricsMiddleware)  # added last: runs first
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
@@ -42,6 +44,7 @@ class ArtEndpointPlugin:
             lora_enabled=config.lora_config is not None,
             prefix_caching=bool(config.cache_config.enable_prefix_caching),
             api_key=bool(art.api_key_digests),
+            allow_unauthenticated=art.allow_unauthenticated,
             cpu_layout_cpus=tuple(layout) if layout is not None else None,
             refused_slots=tuple(sorted(art.slots.refused.items())),
             routes_capture=route_completions.capture_mode(config),

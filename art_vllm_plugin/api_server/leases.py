@@ -18,8 +18,19 @@ releases a lease; when the last lease of a copy goes, the name stops resolving a
 the LoRA is removed once no request that uses it is left in the scheduler.
 
 Errors: 404 unknown slot, or version N not available (never committed on this server, its
-committed path gone, or its files changed since); 429 when no LoRA capacity is left
-(every adapter, slots and leases, stays resident: at most `max_cpu_loras`); 400 bad body.
+committed path gone, or its files changed since); 403 when a file of its committed directory
+now leads out of that directory and every allowed adapter root (`PathPolicy.check_files`: no
+such file is opened); 429 when no LoRA
+capacity is left (every adapter, slots and leases, stays resident: at most `max_cpu_loras`);
+400 bad body.
+
+Copies live in a server-private directory (`tempfile.mkdtemp`: mode 0700, an unguessable
+name, removed at exit), each copy in a 0700 directory of its own with 0600 files: other users
+of the host can neither read a policy's weights nor swap them under the server.
+
+Teardown never leaks the copy's pinned CPU-cache slot: an engine that fails to drop the label
+is logged and the LoRA is removed all the same (removing it drops the pin); the removal is
+retried, and until it succeeds the copy keeps counting against capacity (`tearing_down`).
 
 Versions are remembered as this API server sees them committed (`observe`, called around every
 update): path and digest per version, the last `HISTORY_PER_SLOT` of each slot. Leases live
@@ -49,6 +60,7 @@ from art_protocol.digest import digest_bytes, digest_dir
 from art_vllm_plugin import compat
 from art_vllm_plugin.adapters import AdapterError, read_adapter_files
 from art_vllm_plugin.api_server.aliases import Alias
+from art_vllm_plugin.api_server.paths import PathRefused
 
 logger = logging.getLogger("vllm.art_plugin.leases")
 
@@ -58,6 +70,9 @@ HISTORY_PER_SLOT = 64
 MAX_TTL_S = 7 * 24 * 3600.0
 #: How often a released copy re-checks that no request uses it any more.
 _UNPIN_POLL_S = 0.05
+#: Attempts at removing a released copy's LoRA (and so its pin), and the pause between them.
+_REMOVE_TRIES = 5
+_REMOVE_RETRY_S = 0.5
 
 
 class LeaseError(Exception):
@@ -143,12 +158,10 @@ class LeaseManager:
         self.history: dict[str, OrderedDict[int, CommittedVersion]] = {}
         self.copies: dict[str, PinnedCopy] = {}  # name (slot@N) -> copy
         self.leases: dict[str, Lease] = {}
+        #: Copies released whose LoRA is not removed yet (they still hold a pinned CPU slot).
         self.tearing_down = 0
-        # Created with the first copy (`_write_copy`); each copy is removed when released.
-        self.lease_dir = (
-            Path(tempfile.gettempdir()) / f"art-leases-{os.getpid()}-{secrets.token_hex(4)}"
-        )
-        atexit.register(shutil.rmtree, self.lease_dir, True)  # copies die with the server
+        #: The server-private directory of the copies, made with the first one (`copy_root`).
+        self.lease_dir: Path | None = None
         self._lock = asyncio.Lock()
         self._reaper: asyncio.Task | None = None
         self._teardowns: set[asyncio.Task] = set()
@@ -218,6 +231,10 @@ class LeaseManager:
                 f"{slot}@{current})",
             )
         try:
+            self.art.updates.paths.check_files(known.path, trusted=True)
+        except PathRefused as exc:
+            raise LeaseError(403, f"version {version} of slot {slot!r} is refused: {exc}") from exc
+        try:
             files = await asyncio.to_thread(read_adapter_files, known.path)
         except AdapterError as exc:
             raise LeaseError(
@@ -242,7 +259,7 @@ class LeaseManager:
                 limit=max_cpu,
                 in_use=in_use,
             )
-        copy_dir = self.lease_dir / f"{name}-{secrets.token_hex(4)}"
+        copy_dir = self.copy_root() / f"{name}-{secrets.token_hex(4)}"
         await asyncio.to_thread(_write_copy, copy_dir, files.as_files())
         lid = compat.next_lora_int_id(self.serving_models)
         request = compat.lora_request(lora_name=name, lora_int_id=lid, lora_path=str(copy_dir))
@@ -254,10 +271,9 @@ class LeaseManager:
             await self._on_every_engine("art_lease_keep", lid)
             await self._on_every_engine("art_lease_pin", lid, version)
         except Exception as exc:
-            with contextlib.suppress(Exception):
-                await self._on_every_engine("art_lease_unpin", lid)
-            with contextlib.suppress(Exception):
-                await self.engine_client.remove_lora(lid)
+            # Torn down as a released copy is, so that a half-made one leaks no pinned slot.
+            self.tearing_down += 1
+            await self._teardown(PinnedCopy(slot, version, lid, str(copy_dir), digest))
             shutil.rmtree(copy_dir, ignore_errors=True)
             raise LeaseError(
                 500, f"the engine could not load lease {name}: {type(exc).__name__}: {exc}"
@@ -266,6 +282,14 @@ class LeaseManager:
         self.copies[name] = copy
         self.serving_models.lora_requests[name] = request  # from now on `slot@N` resolves
         return copy
+
+    def copy_root(self) -> Path:
+        """The directory of the copies: made once, private to this server (mkdtemp: 0700),
+        removed at exit (each copy is removed when released)."""
+        if self.lease_dir is None:
+            self.lease_dir = Path(tempfile.mkdtemp(prefix=f"art-leases-{os.getpid()}-"))
+            atexit.register(shutil.rmtree, self.lease_dir, True)  # copies die with the server
+        return self.lease_dir
 
     async def _on_every_engine(self, method: str, *args) -> list[Any]:
         return [
@@ -293,9 +317,11 @@ class LeaseManager:
         return {**lease.public(), "released": why, "copy_removed": last}
 
     async def _teardown(self, copy: PinnedCopy) -> None:
-        """Unlabel and remove the copy's LoRA once no request uses it (they finish on it)."""
-        try:
-            for _, identity in compat.engine_targets(self.engine_client):
+        """Unlabel the copy's LoRA on every engine once no request uses it (they finish on
+        it), then remove it, which drops its pin in the workers' CPU LoRA cache. A failure to
+        unlabel does not skip the removal (see the module docstring)."""
+        for _, identity in compat.engine_targets(self.engine_client):
+            try:
                 while True:
                     res = await compat.call_engine_utility_on(
                         self.engine_client, identity, "art_lease_unpin", copy.lora_int_id
@@ -303,12 +329,35 @@ class LeaseManager:
                     if res["ok"]:
                         break
                     await asyncio.sleep(_UNPIN_POLL_S)
-            await self.engine_client.remove_lora(copy.lora_int_id)
-        except Exception:
-            logger.exception("art lease copy %s: teardown failed", copy.name)
-        finally:
+            except Exception:
+                logger.exception(
+                    "art lease copy %s: engine %r could not drop its label; removing the LoRA "
+                    "anyway",
+                    copy.name,
+                    identity,
+                )
+        for attempt in range(1, _REMOVE_TRIES + 1):
+            try:
+                await self.engine_client.remove_lora(copy.lora_int_id)
+            except Exception:
+                logger.exception(
+                    "art lease copy %s: removing LoRA %d failed (attempt %d of %d)",
+                    copy.name,
+                    copy.lora_int_id,
+                    attempt,
+                    _REMOVE_TRIES,
+                )
+                await asyncio.sleep(_REMOVE_RETRY_S)
+                continue
             self.tearing_down -= 1
             shutil.rmtree(copy.path, ignore_errors=True)
+            return
+        logger.error(
+            "art lease copy %s: LoRA %d could not be removed; it keeps its CPU cache slot and "
+            "counts against capacity until the server restarts",
+            copy.name,
+            copy.lora_int_id,
+        )
 
     def _start_reaper(self) -> None:
         if self._reaper is None or self._reaper.done():
@@ -345,9 +394,14 @@ class LeaseManager:
 
 
 def _write_copy(copy_dir: Path, files: dict[str, bytes]) -> None:
-    copy_dir.mkdir(parents=True)
+    """The copy's directory (0700) and files (0600), made new: never an existing file or link."""
+    copy_dir.mkdir(mode=0o700)
+    os.chmod(copy_dir, 0o700)  # exactly, whatever the umask
     for name, data in files.items():
-        (copy_dir / name).write_bytes(data)
+        fd = os.open(copy_dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(data)
 
 
 def with_leases(manager: LeaseManager | None, slots: list[dict]) -> list[dict]:

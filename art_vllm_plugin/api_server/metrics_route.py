@@ -19,11 +19,10 @@ from __future__ import annotations
 import json
 from urllib.parse import parse_qs
 
-from art_vllm_plugin.api_server.auth import key_matches
+from art_vllm_plugin.api_server.auth import UNAUTHORIZED, key_matches
 from art_vllm_plugin.api_server.metrics_feed import FEED
 
 PATH = "/art/metrics"
-UNAUTHORIZED = "missing or wrong API key for /art routes (send Authorization: Bearer <key>)"
 
 
 def _error(status: int, message: str) -> tuple[int, dict]:

@@ -6,6 +6,13 @@ if, with every symlink resolved, it lies inside one of the `--art-adapter-root D
 (repeatable). Without any root, the roots are the directories holding the slots' start
 adapters. A path with a `..` component, a symlink leading out of every root, or a path outside
 every root is refused (403), and the message shows the resolved path.
+
+The same holds for every file read from the directory (`ADAPTER_FILES`), each resolved on its
+own right before the read: a directory inside a root whose `adapter_model.safetensors` is a
+symlink to a file outside every root is refused (403, naming the file) without opening it.
+Symlinks that stay inside a root (a hub-cache layout of blobs) are followed. What this does not
+cover: a file swapped for such a link between the check and the read, which takes write access
+to the root (and with that one could write any adapter there anyway).
 """
 
 from __future__ import annotations
@@ -14,6 +21,11 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from art_vllm_plugin.adapters import CONFIG_FILE, WEIGHTS_FILE
+
+#: The files read from an adapter directory (`adapters.read_adapter_files`).
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 
 
 class PathRefused(ValueError):
@@ -52,10 +64,32 @@ class PathPolicy:
         if ".." in Path(mapped).parts:
             raise PathRefused(f"adapter path {raw!r} (server path {mapped}) contains '..'; refused")
         resolved = Path(os.path.realpath(mapped))
-        for root in self.roots:
-            if resolved == root or root in resolved.parents:
-                return resolved
-        raise PathRefused(
-            f"adapter path {raw!r} resolves to {resolved}, outside every allowed root "
-            f"({', '.join(map(str, self.roots))}); pass --art-adapter-root to allow it"
-        )
+        if not self.inside(resolved):
+            raise PathRefused(
+                f"adapter path {raw!r} resolves to {resolved}, outside every allowed root "
+                f"({', '.join(map(str, self.roots))}); pass --art-adapter-root to allow it"
+            )
+        self.check_files(resolved)
+        return resolved
+
+    def inside(self, resolved: Path, roots: Iterable[Path] = ()) -> bool:
+        return any(resolved == r or r in resolved.parents for r in (*self.roots, *roots))
+
+    def check_files(
+        self, directory: str | Path, names: Iterable[str] = ADAPTER_FILES, trusted: bool = False
+    ) -> None:
+        """Each file `directory/name`, every symlink resolved, must lie inside a root (a file
+        that does not exist passes: reading it reports it missing). `trusted`: the directory
+        itself counts as a root too (a committed version's directory, accepted when it was
+        committed: a start adapter, a pushed copy)."""
+        extra = (Path(os.path.realpath(directory)),) if trusted else ()
+        for name in names:
+            file = Path(directory) / name
+            target = Path(os.path.realpath(file))
+            if not self.inside(target, extra):
+                where = ", ".join(map(str, (*self.roots, *extra)))
+                raise PathRefused(
+                    f"adapter file {file} resolves to {target}, outside every allowed root "
+                    f"({where}); a file of an adapter directory may not lead out of the roots "
+                    "(pass --art-adapter-root to allow its target)"
+                )

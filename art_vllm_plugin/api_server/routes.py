@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from art_vllm_plugin import compat, features, install
-from art_vllm_plugin.api_server import lease_routes, leases
+from art_vllm_plugin.api_server import adapter_push, lease_routes, leases
 from art_vllm_plugin.api_server.auth import require_api_key
 from art_vllm_plugin.api_server.update_coordinator import UpdateError, parse_update
 from art_vllm_plugin.version import __version__
@@ -51,20 +51,34 @@ async def slots(request: Request) -> list[dict]:
 
 @router.post("/v1/lora/update")
 async def lora_update(request: Request):
-    """Write a new adapter into a slot between two engine steps and bump its version."""
+    """Write a new adapter into a slot between two engine steps and bump its version.
+
+    JSON names the adapter's path; `multipart/form-data` pushes its files
+    (`api_server/adapter_push.py`)."""
     art = request.app.state.art
+    push = adapter_push.is_push(request.headers.get("content-type"))
+    pushed = None
+    if push:  # nothing may await between receiving a push and handing it to the update
+        await art.leases.observe()  # exact leases: remember committed versions
     try:
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise UpdateError(400, f"body is not valid JSON: {exc}") from exc
-        update = parse_update(body)
+        if push:
+            pushed = await adapter_push.receive(
+                request, art.updates.staging, art.updates.check_push
+            )
+            update = pushed.request
+        else:
+            try:
+                body = await request.json()
+            except ValueError as exc:
+                raise UpdateError(400, f"body is not valid JSON: {exc}") from exc
+            update = parse_update(body)
     except UpdateError as exc:
         art.updates.failed_unattributed += 1
         return _error(exc.status, exc.message)
-    await art.leases.observe()  # exact leases: remember committed versions
+    if not push:
+        await art.leases.observe()
     try:
-        result = await art.updates.update(update)
+        result = await art.updates.update(update, pushed)  # owns `pushed` from here on
     except UpdateError as exc:
         return _error(exc.status, exc.message)
     await art.leases.observe()

@@ -8,7 +8,10 @@ update is a two-phase commit over all of them, reached one by one through
 reaches engine 0 only, or returns only the first engine's answer):
 
 1. write the validated bytes once to a fresh staging directory (`art_vllm_plugin.staging`),
-   with one marker directory per engine;
+   with one marker directory per engine, after checking that the directory has room for them
+   (507 otherwise; a write that still fails is 507 on a full file system, else 500, and
+   nothing stays staged). A pushed adapter (`api_server/adapter_push.py`) was streamed into
+   its staging directory as it arrived: only the marker directories are added;
 2. *prepare*: one utility call per engine has every worker of that engine start staging on a
    background thread (each engine's step loop is held for one RPC round trip). An engine
    refuses a version it committed before with another digest (409); one where another slot's
@@ -109,9 +112,16 @@ async def publish(
     current_version: int,
     config: staging.StagingConfig,
     operation_id: str | None = None,
+    staged: Path | None = None,
 ) -> PublishResult:
+    """`staged`: the directory a push already wrote `files` to (removed here like any stage)."""
     keeps = f"slot {slot!r} keeps serving version {current_version}"
-    stage_dir = await asyncio.to_thread(_write_stage, config, slot, version, files, engines)
+    try:
+        stage_dir = await asyncio.to_thread(
+            _write_stage, config, slot, version, files, engines, staged
+        )
+    except staging.StagingRefused as exc:
+        raise PublishError(exc.status, f"{exc}; {keeps}") from exc
     staged: list[Engine] = []
     committed = False
     try:
@@ -225,14 +235,28 @@ async def _stage_on(engine_client, engine: Engine, deadline: float, *args) -> di
         await asyncio.sleep(_POLL_S)
 
 
-def _write_stage(config, slot, version, files: AdapterFiles, engines) -> Path:
-    stage_dir = staging.new_stage_dir(config, slot, version)
+def _write_stage(
+    config: staging.StagingConfig, slot, version, files: AdapterFiles, engines, staged=None
+) -> Path:
+    """A stage directory holding `files` and one marker directory per engine; nothing is left
+    behind when it fails (`staging.StagingRefused`: 507 when out of space, else 500)."""
+    what = f"adapter {slot}@{version}"
+    if staged is None:
+        config.check_space(len(files.config) + len(files.weights), what)
+    stage_dir = staged
     try:
-        staging.write_files(stage_dir, files.as_files())
+        if stage_dir is None:
+            stage_dir = staging.new_stage_dir(config, slot, version)
+            staging.write_files(stage_dir, files.as_files())
         for e in engines:
             staging.marker_dir(stage_dir, e.dp_rank)
+    except OSError as exc:
+        if stage_dir is not None:
+            staging.remove(stage_dir)
+        raise config.refusal_for(exc, what) from exc
     except BaseException:
-        staging.remove(stage_dir)
+        if stage_dir is not None:
+            staging.remove(stage_dir)
         raise
     return stage_dir
 

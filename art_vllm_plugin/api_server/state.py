@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from art_vllm_plugin import compat
+from art_vllm_plugin import compat, staging
 from art_vllm_plugin.api_server import aliases, slot_publish
 from art_vllm_plugin.api_server.auth import configured_keys
+from art_vllm_plugin.api_server.body_limits import DEFAULT_MAX_BODY_BYTES
 from art_vllm_plugin.api_server.leases import LeaseManager
 from art_vllm_plugin.api_server.metrics_feed import FEED
 from art_vllm_plugin.api_server.paths import PathPolicy
+from art_vllm_plugin.api_server.pushed_copies import PushedCopies
 from art_vllm_plugin.api_server.slot_view import Slot, SlotView
 from art_vllm_plugin.api_server.update_coordinator import UpdateCoordinator
 from art_vllm_plugin.compat import figures as vllm_figures
@@ -62,6 +64,10 @@ class ApiServerState:
     api_key_digests: list[bytes]
     #: The server's configuration as the capability table sees it (set once at start).
     facts: ServerFacts | None = None
+    #: `--art-allow-unauthenticated`: without a key, state-changing routes are open (auth.py).
+    allow_unauthenticated: bool = False
+    #: `--art-max-body-bytes`: the largest body an `/art` route reads (body_limits.py).
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     #: Alias of a request in flight, by the request's own id (`request.request_id`, a fresh
     #: uuid unless the client sets one), for its stream generator. Not by `id(request)`: an
     #: entry left behind by a refused request would be found by a later, unrelated request
@@ -91,14 +97,23 @@ class ApiServerState:
         view = SlotView(engine_client, serving_models)
         max_rank = compat.max_lora_rank(engine_client) if lora_enabled else 0
         view.export_versions()
+        # Stages (and kept push copies) of servers that crashed go before this one stages.
+        staging_config = staging.StagingConfig.create(
+            getattr(args, "art_staging_dir", None), getattr(args, "art_max_adapter_bytes", None)
+        )
+        staging.sweep(staging_config.root)
+        pushed_copies = PushedCopies()
+        pushed_copies.sweep()
         return cls(
             engine_client=engine_client,
             args=args,
             started_at=time.time(),
             serving_models=serving_models,
             slots=view,
-            updates=UpdateCoordinator(view, max_rank, paths),
+            updates=UpdateCoordinator(view, max_rank, paths, staging_config, pushed_copies),
             api_key_digests=configured_keys(getattr(args, "api_key", None)),
+            allow_unauthenticated=bool(getattr(args, "art_allow_unauthenticated", False)),
+            max_body_bytes=int(getattr(args, "art_max_body_bytes", DEFAULT_MAX_BODY_BYTES)),
         )
 
     def attach(self, app_state: Any) -> None:

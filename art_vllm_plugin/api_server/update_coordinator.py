@@ -8,6 +8,13 @@ finally record the outcome on every engine (`art_finish_update`), which ends the
 The slot view (`api_server/slot_view.py`) is told when an update starts and ends, so its
 cached copy of the registry is read again.
 
+A push (`api_server/adapter_push.py`) arrives with its files already streamed into a staging
+directory: the same steps follow, with the staged bytes read instead of the trainer's path, the
+digest of those bytes in the `operation_id` fingerprint (a replay means the same bytes), and a
+kept copy of them as the committed path (`api_server/pushed_copies.py`). A path update's
+adapter over `--art-max-adapter-bytes` is refused (413) before it is read; one the staging
+directory has no room for (507) before it is staged (`art_vllm_plugin.staging`).
+
 The digest always comes from the bytes read here, whether or not the request carried one, so
 every engine binds the version it commits to a digest (`engine_core/version_digests.py`).
 An update that fails with the slot's state unknown (503) blocks the slot on every engine
@@ -27,13 +34,21 @@ import contextlib
 import logging
 import time
 import uuid
+from pathlib import Path
 
 from art_protocol import digest as adapter_digest
+from art_protocol.push import FILE_PARTS
 from art_protocol.updates import UpdateRequest, UpdateRequestError, UpdateResponse
 from art_vllm_plugin import staging
-from art_vllm_plugin.adapters import AdapterError, read_and_validate
+from art_vllm_plugin.adapters import (
+    AdapterError,
+    AdapterFiles,
+    read_and_validate,
+    validate_adapter_files,
+)
 from art_vllm_plugin.api_server import slot_publish
 from art_vllm_plugin.api_server.paths import PathPolicy, PathRefused
+from art_vllm_plugin.api_server.pushed_copies import PushedCopies
 from art_vllm_plugin.api_server.slot_view import SlotView
 
 logger = logging.getLogger("vllm.art_plugin.slots")
@@ -60,7 +75,14 @@ def parse_update(body) -> UpdateRequest:
 
 
 class UpdateCoordinator:
-    def __init__(self, view: SlotView, max_lora_rank: int, paths: PathPolicy):
+    def __init__(
+        self,
+        view: SlotView,
+        max_lora_rank: int,
+        paths: PathPolicy,
+        staging_config: staging.StagingConfig | None = None,
+        pushed_copies: PushedCopies | None = None,
+    ):
         self.view = view
         self.engine_client = view.engine_client
         self.engines = view.engines
@@ -70,11 +92,24 @@ class UpdateCoordinator:
         self.failed_unattributed = 0
         #: One lock per slot: updates of a slot run one at a time, different slots at once.
         self._locks: dict[str, asyncio.Lock] = {}
-        self.staging = staging.StagingConfig.default()
+        self.staging = staging_config or staging.StagingConfig.default()
+        self.pushed_copies = pushed_copies or PushedCopies()
 
-    async def update(self, req: UpdateRequest) -> dict:
-        task = asyncio.ensure_future(self._update(req))
+    async def update(self, req: UpdateRequest, pushed=None) -> dict:
+        """Run one update to its end. `pushed`: the `adapter_push.PushedAdapter` received for
+        it, whose staging directory this update owns from now on (removed when it ends)."""
+        task = asyncio.ensure_future(self._update(req, pushed))
         return await asyncio.shield(task)
+
+    def check_push(self, req: UpdateRequest) -> None:
+        """What can be refused of a push from its `request` part alone, before its files
+        arrive: a slot refused for updates (400) or unknown (404)."""
+        if req.slot in self.view.refused:
+            raise UpdateError(400, f"{self.view.refused[req.slot]}; nothing changed")
+        if req.slot not in self.view.local:
+            raise UpdateError(
+                404, f"unknown slot {req.slot!r}; slots: {sorted(self.view.local)}; nothing changed"
+            )
 
     async def _note_failure(self, token: str, slot: str | None) -> None:
         """Count a failed update (on every engine) and end its reservation, if any."""
@@ -86,18 +121,20 @@ class UpdateCoordinator:
                 self.engine_client, self.engines, "art_finish_update", token, slot, False
             )
 
-    async def _update(self, req: UpdateRequest) -> dict:
+    async def _update(self, req: UpdateRequest, pushed=None) -> dict:
         token = uuid.uuid4().hex
         self.view.registry_changing()
         try:
             await self.view.ensure_registered()
-            return await self._update_locked(req, token)
+            return await self._update_locked(req, token, pushed)
         except BaseException:
             # Also for a bug or a cancellation: never leave a reservation behind.
             await self._note_failure(token, req.slot)
             raise
         finally:
             self.view.registry_changing()  # counters and versions: the next refresh reads them
+            if pushed is not None:
+                await asyncio.to_thread(pushed.discard)
 
     async def _block(self, name: str, req: UpdateRequest, error: str) -> None:
         """Block slot `name` on every engine that answers (an engine that died serves nothing)."""
@@ -114,7 +151,7 @@ class UpdateCoordinator:
             if isinstance(r, BaseException):
                 logger.warning("art: engine %d could not block slot %s: %s", e.dp_rank, name, r)
 
-    async def _reserve(self, req: UpdateRequest, token: str) -> dict:
+    async def _reserve(self, req: UpdateRequest, token: str, fingerprint: str | None) -> dict:
         """Admission on engine 0; waits while another update of the slot (any API server) is
         running."""
         deadline = time.monotonic() + RESERVE_WAIT_S
@@ -128,7 +165,7 @@ class UpdateCoordinator:
                     req.version,
                     req.expected_version,
                     req.operation_id,
-                    req.fingerprint() if req.operation_id is not None else None,
+                    fingerprint,
                 )
             except Exception as exc:
                 raise UpdateError(
@@ -142,7 +179,25 @@ class UpdateCoordinator:
                 )
             await asyncio.sleep(_RESERVE_POLL_S)
 
-    async def _update_locked(self, req: UpdateRequest, token: str) -> dict:
+    def _read_path(self, resolved: str, name: str, local) -> AdapterFiles:
+        """The adapter at `resolved`, size-checked before it is read (413), then validated."""
+        what = f"the adapter at {resolved}"
+        sizes = {}
+        for file in FILE_PARTS:
+            with contextlib.suppress(OSError):  # the read names what is missing or unreadable
+                sizes[file] = (Path(resolved) / file).stat().st_size
+        self.staging.check_size(sizes, what)
+        files = read_and_validate(resolved, name, local.reference, self.max_lora_rank)
+        # The files may have grown between the stat and the read.
+        self.staging.check_size({f: len(b) for f, b in files.as_files().items()}, what)
+        return files
+
+    def _read_pushed(self, pushed) -> tuple[AdapterFiles, str]:
+        """The pushed bytes as staged, and their digest."""
+        files = pushed.read()
+        return files, adapter_digest.digest_bytes(files.config, files.weights)
+
+    async def _update_locked(self, req: UpdateRequest, token: str, pushed=None) -> dict:
         t0 = time.perf_counter()
         name = req.slot
         if name in self.view.refused:
@@ -151,12 +206,21 @@ class UpdateCoordinator:
         if local is None:
             raise UpdateError(404, f"unknown slot {name!r}; slots: {sorted(self.view.local)}")
         current = self.view.slots[name].version
-        try:
-            resolved = str(self.paths.resolve(req.path))
-        except PathRefused as exc:
-            raise UpdateError(403, f"{exc}; slot {name!r} keeps serving version {current}") from exc
+        files = content = resolved = None
+        if pushed is None:
+            try:
+                resolved = str(self.paths.resolve(req.path))
+            except PathRefused as exc:
+                raise UpdateError(
+                    403, f"{exc}; slot {name!r} keeps serving version {current}"
+                ) from exc
+            source = f"the adapter at {resolved}"
+        else:
+            files, content = await asyncio.to_thread(self._read_pushed, pushed)
+            source = "the pushed adapter"
+        fingerprint = req.fingerprint(content) if req.operation_id is not None else None
         async with self._locks.setdefault(name, asyncio.Lock()):
-            admitted = await self._reserve(req, token)
+            admitted = await self._reserve(req, token, fingerprint)
             if not admitted["ok"]:
                 if admitted["kind"] == "replay":
                     return {**admitted["response"], "replayed": True}
@@ -165,20 +229,36 @@ class UpdateCoordinator:
             current = admitted["version"]
             keeps = f"slot {name!r} keeps serving version {current}"
             try:
-                files = await asyncio.to_thread(
-                    read_and_validate, resolved, name, local.reference, self.max_lora_rank
-                )
+                if pushed is None:
+                    files = await asyncio.to_thread(self._read_path, resolved, name, local)
+                else:
+                    await asyncio.to_thread(
+                        validate_adapter_files, files, name, local.reference, self.max_lora_rank
+                    )
             except AdapterError as exc:
                 raise UpdateError(422, f"{exc}; {keeps}") from exc
-            digest = await asyncio.to_thread(
+            except staging.StagingRefused as exc:
+                raise UpdateError(exc.status, f"{exc}; {keeps}") from exc
+            digest = content or await asyncio.to_thread(
                 adapter_digest.digest_bytes, files.config, files.weights
             )
             if req.digest is not None and req.digest != digest:
                 raise UpdateError(
                     422,
-                    f"digest mismatch: the request says {req.digest}, the adapter at {resolved} "
-                    f"is {digest} (a torn or partial export?); {keeps}",
+                    f"digest mismatch: the request says {req.digest}, {source} is {digest} "
+                    f"(a torn or partial export?); {keeps}",
                 )
+            if pushed is not None:
+                try:
+                    kept = await asyncio.to_thread(
+                        self.pushed_copies.keep, name, req.version, files
+                    )
+                except OSError as exc:
+                    refusal = staging.StagingConfig(self.pushed_copies.root).refusal_for(
+                        exc, f"a copy of the pushed adapter {name}@{req.version}"
+                    )
+                    raise UpdateError(refusal.status, f"{refusal}; {keeps}") from exc
+                resolved = str(kept)
             t_validated = time.perf_counter()
             try:
                 result = await slot_publish.publish(
@@ -194,8 +274,11 @@ class UpdateCoordinator:
                     current_version=current,
                     config=self.staging,
                     operation_id=req.operation_id,
+                    staged=pushed.stage_dir if pushed is not None else None,
                 )
             except slot_publish.PublishError as exc:
+                if pushed is not None:
+                    await asyncio.to_thread(self.pushed_copies.discard, resolved)
                 if exc.state_unknown:
                     await self._block(name, req, exc.message)
                     raise UpdateError(
@@ -204,6 +287,7 @@ class UpdateCoordinator:
                         "update of it commits on every engine",
                     ) from exc
                 raise UpdateError(exc.status, exc.message) from exc
+            self.pushed_copies.committed(name, resolved)
             elapsed_ms = (time.perf_counter() - t0) * 1000.0
             response = UpdateResponse(
                 slot=name,
@@ -226,7 +310,7 @@ class UpdateCoordinator:
                 name,
                 True,
                 req.operation_id,
-                req.fingerprint() if req.operation_id is not None else None,
+                fingerprint,
                 response,
                 elapsed_ms,
             )
@@ -235,12 +319,13 @@ class UpdateCoordinator:
                     logger.warning("art: engine %d could not record update: %s", e.dp_rank, r)
             self.view.apply_committed(name, req.version, resolved, digest, elapsed_ms)
             logger.info(
-                "art update slot=%s version=%d step=%d engines=%d wait+validate=%.1fms "
+                "art update slot=%s version=%d step=%d engines=%d%s wait+validate=%.1fms "
                 "stage=%.1fms publish=%.1fms engine_stall=%.2fms",
                 name,
                 req.version,
                 result.step,
                 len(self.engines),
+                " pushed" if pushed is not None else "",
                 (t_validated - t0) * 1000,
                 result.stage_ms,
                 (time.perf_counter() - t_validated) * 1000,

@@ -36,6 +36,7 @@ class LoopConfig:
     seed: int = 0
     server_dtype: str = "float32"  # the trainer computes in float32; bfloat16 breaks parity
     autotune: bool = False
+    push: bool = False  # send each version's files with the update instead of its path
     max_rollout_workers: int = 4  # the autotuner's absolute worker cap
     autotune_on_bad_metrics: str = "hold"  # or "raise" (strict); see autotune_hook.py
     fresh_ratio_tolerance: float = 1e-3  # |ratio - 1| allowed on age-0 tokens (parity check)

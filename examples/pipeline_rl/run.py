@@ -47,7 +47,13 @@ def parse_args(argv=None) -> tuple[LoopConfig, argparse.Namespace]:
     parser.add_argument("--tiny", default=".cache/tiny")
     parser.add_argument("--train-python", default=str(REPO / ".venv-train" / "bin" / "python"))
     parser.add_argument("--autotune", action="store_true", help="tune workers/batch/queue online")
-    skip = {"run_dir", "hf_model", "init_adapter", "autotune"}
+    parser.add_argument(
+        "--push",
+        action="store_true",
+        help="push each version's files in the update request (the server reads no trainer "
+        "directory: no --art-adapter-root for RUN_DIR)",
+    )
+    skip = {"run_dir", "hf_model", "init_adapter", "autotune", "push"}
     for f in fields(LoopConfig):
         if f.name in skip:
             continue
@@ -62,6 +68,7 @@ def parse_args(argv=None) -> tuple[LoopConfig, argparse.Namespace]:
         hf_model=str(tiny / "model"),
         init_adapter=str(tiny / "adapters" / "a"),
         autotune=args.autotune,
+        push=args.push,
         **values,
     )
     return cfg, args
@@ -70,16 +77,18 @@ def parse_args(argv=None) -> tuple[LoopConfig, argparse.Namespace]:
 def server_config(cfg: LoopConfig) -> serve_process.ServeConfig:
     """The tiny model in float32 (the trainer computes in float32: equal dtypes are what makes
     fresh-token ratios 1 up to kernel rounding), slot `policy` (and `shadow`, the wrong slot a
-    test publishes to) starting from the trainer's initial adapter, adapters from RUN_DIR."""
+    test publishes to) starting from the trainer's initial adapter, adapters from RUN_DIR (with
+    `--push` the trainer sends their files instead, and the server may not read RUN_DIR)."""
     args = [
         *serve_process.tiny_lora_args(max_loras=3),  # policy, shadow and a lease in one batch
+        # loopback and no key: the trainer's updates and the lease need the unguarded routes
+        *serve_process.ALLOW_UNAUTHENTICATED,
         "--dtype",
         cfg.server_dtype,  # overrides tiny_lora_args' bfloat16 (argparse keeps the last)
         "--lora-modules",
         f"{cfg.slot}={cfg.init_adapter}",
         "shadow=" + cfg.init_adapter,
-        "--art-adapter-root",
-        cfg.run_dir,
+        *(() if cfg.push else ("--art-adapter-root", cfg.run_dir)),
         "--max-num-seqs",
         "64",
         "--max-cpu-loras",

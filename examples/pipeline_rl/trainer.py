@@ -141,20 +141,34 @@ class Publisher:
     """Export each version atomically (`export_ready`: temp dir, fsync, rename, manifest with
     the content digest) and publish it in flight on a background thread
     (`BackgroundPublisher` + `post_update`, digest included), so the optimizer checkpoint is
-    written while the server loads the version. `latest` is the newest version published or in
-    flight: what the rollout workers validate span versions against."""
+    written while the server loads the version. With `--push` the version's files travel in
+    the request (`ArtClient.update_from_dir`, digest included) instead of its path. `latest` is
+    the newest version published or in flight: what the rollout workers validate span
+    versions against."""
 
     def __init__(self, url: str, cfg: LoopConfig):
         from art_megatron_ext.lora.publish_ready import BackgroundPublisher, post_update
 
         self.cfg = cfg
-        self._post = post_update(url)
+        self._post = self._pusher(url) if cfg.push else post_update(url)
         self._background = BackgroundPublisher(self._publish)
         self._pending = None
         self._t_trained = 0.0
         self.latest = 0
         self.published = 0
         self.last_ms = 0.0
+
+    @staticmethod
+    def _pusher(url: str):
+        from art_protocol.client import ArtClient
+
+        def push(ready) -> dict:
+            with ArtClient(url, timeout=300) as art:
+                return art.update_from_dir(
+                    ready.slot, ready.path, ready.version, digest=ready.digest
+                )
+
+        return push
 
     def _publish(self, ready) -> dict:
         if self.cfg.publish_slot != ready.slot:  # the broken-loop test's wrong slot
@@ -424,6 +438,7 @@ def main(config_path: str) -> int:
                 summary = {
                     "steps": cfg.steps,
                     "updates_published": publisher.published,
+                    "pushed": cfg.push,  # the versions' files travelled in the requests
                     "optimizer_saves": saved,
                     "optimizer_generation": None if manifest is None else manifest.generation,
                     "optimizer_step": None if manifest is None else manifest.step,

@@ -58,6 +58,7 @@ def _config(tiny_model, tiny_adapters, log_path, replica: int) -> serve_process.
         model=str(tiny_model),
         args=(
             *serve_process.tiny_lora_args(),
+            *serve_process.ALLOW_UNAUTHENTICATED,  # the fleet publishes without a key
             "--max-num-seqs",
             "4",
             "--lora-modules",

@@ -4,6 +4,10 @@ Each kind says which modules share it and why its flags are what they are. A mod
 kind through the fixture `<name>_server`; the order here is the order the kinds run in.
 Start adapters are copied under the kind's directory (`<root>/start/<slot>`), inside an
 allowed adapter root, so the hand-over can re-publish them.
+
+Every kind either has an API key (`keyed`) or runs with `--art-allow-unauthenticated`
+(`OPEN`): a server without a key refuses state-changing `/art` requests by default (the
+hand-over itself publishes), and these servers listen on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from support.server_pool import Kind, KindPaths
 
 #: The API key of the `keyed` server.
 KEYED_API_KEY = "shared-s3cret-key"
+#: The flag of every kind without a key (see the module docstring); the same as
+#: `serve_process.ALLOW_UNAUTHENTICATED`, spelled out because this module imports no plugin
+#: code at import time (it loads in both environments).
+OPEN = ("--art-allow-unauthenticated",)
 #: Ceiling for a shared server's start (two cores shared with the train suite and other jobs).
 STARTUP_CEILING_S = 900.0
 
@@ -71,6 +79,7 @@ def _lora(p: KindPaths):
             *tiny_lora_args(max_loras=3),
             *_modules(_lora_slots(p)),
             *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
+            *OPEN,
         ),
         # Selected through the environment, not `--plugin art` (test_capabilities checks that
         # this works); vLLM's dev-mode /pause, /resume and /reset_prefix_cache; the test hooks;
@@ -135,6 +144,7 @@ def _one_seq(p: KindPaths):
             *("--block-size", "32", "--enable-prompt-tokens-details"),
             *_modules(_one_seq_slots(p)),
             *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
+            *OPEN,
         ),
         {"VLLM_SERVER_DEV_MODE": "1"},
     )
@@ -161,6 +171,7 @@ def tp_config(p: KindPaths, tp: int, log_path: Path | None = None):
             *("--tensor-parallel-size", str(tp), "--dtype", "float32"),
             *_modules(_tp2_slots(p)),
             *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
+            *OPEN,
         ),
         env,
         log_path=log_path,
@@ -182,6 +193,7 @@ def _dp2(p: KindPaths):
             *("--data-parallel-size", "2"),
             *_modules(_dp2_slots(p)),
             *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
+            *OPEN,
         ),
         {"ART_TEST_HOOKS": "1", "VLLM_CPU_OMP_THREADS_BIND": _two_cpus()},
     )
@@ -204,6 +216,7 @@ def _moe_routes(p: KindPaths):
             *("--dtype", "float32", "--enforce-eager", "--max-model-len", "512"),
             *("--gpu-memory-utilization", "0.2"),
             *("--block-size", MOE_BLOCK, "--enable-prompt-tokens-details", "--art-routes"),
+            *OPEN,
         ),
         {"ART_VLLM_ROUTES_MAX_BYTES": str(ROUTES_MAX_BYTES), "VLLM_SERVER_DEV_MODE": "1"},
     )

@@ -90,7 +90,8 @@ def test_features_report_the_server_state(art_server):
     assert features["guarded_routes"] == {
         "enabled": False,
         "description": features["guarded_routes"]["description"],
-        "reason": "no API key is configured (--api-key / VLLM_API_KEY)",
+        "reason": "no API key is configured (--api-key / VLLM_API_KEY): reads and generation "
+        "are open, state-changing routes are open to anyone (--art-allow-unauthenticated)",
     }
     assert set(body["enabled_features"]) == {n for n, f in features.items() if f["enabled"]}
 

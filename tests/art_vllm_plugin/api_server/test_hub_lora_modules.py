@@ -42,6 +42,7 @@ def server(tiny_model, tiny_adapters, hub_cache, server_log):
         model=str(tiny_model),
         args=(
             *LORA_ARGS,
+            *serve_process.ALLOW_UNAUTHENTICATED,  # the update refusal is the 400, not a 403
             "--lora-modules",
             f"policy={tiny_adapters / 'a'}",
             f"hub={HUB_ID}",

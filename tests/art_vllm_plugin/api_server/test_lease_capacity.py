@@ -45,6 +45,7 @@ def server(tiny_model, tiny_adapters, server_log, tmp_path_factory):
         model=str(tiny_model),
         args=(
             *serve_process.tiny_lora_args(max_loras=2),
+            *serve_process.ALLOW_UNAUTHENTICATED,  # updates and leases without a key
             "--max-cpu-loras",
             "6",  # every adapter stays resident; only the device slots (2) are scarce
             "--lora-modules",

@@ -91,6 +91,7 @@ def server(moe_model, adapters, server_log):
             *("--lora-target-modules", *ATTENTION),
             *("--lora-modules", f"policy={adapters / 'a'}"),
             *("--art-adapter-root", str(adapters)),
+            *serve_process.ALLOW_UNAUTHENTICATED,  # updates without a key
         ),
         # vLLM's /is_paused and /resume routes and the step hold (tests/support/step_hold.py);
         # /v1/load_lora_adapter for the refusal test.
