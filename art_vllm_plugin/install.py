@@ -45,11 +45,13 @@ def install_cli(on_select: Callable[[], None]) -> None:
 
 def install_selected_process(plugin_handover: Callable) -> None:
     """Every process where `art` is selected (after the version check)."""
-    from art_vllm_plugin import executor_guard
+    from art_vllm_plugin import executor_guard, host_layout
     from art_vllm_plugin.routes import config as routes_config
 
     # Labels are exact only on tested executors: refused where arguments become a config.
     compat.wrap(P.EXECUTOR_GUARD, executor_guard.refuse_untested_executor)
+    # Staged files must reach every worker: multi-host layouts are refused there too.
+    compat.wrap(P.HOST_LAYOUT_GUARD, host_layout.refuse_remote_workers)
     # The config check runs wherever a VllmConfig is built (API server and EngineCore).
     compat.wrap(P.AUX_OUTPUT_CHECK, routes_config.worker_path_check(compat.routes_use_worker_path))
     install_engine_core()

@@ -281,6 +281,12 @@ EXECUTOR_GUARD = VllmPatch(
     by="executor_guard.refuse_untested_executor",
     why="refuses executors whose RPC/forward ordering the labels are not proven on (Ray)",
 )
+HOST_LAYOUT_GUARD = VllmPatch(
+    "vllm.engine.arg_utils",
+    "EngineArgs.create_engine_config",
+    by="host_layout.refuse_remote_workers",
+    why="refuses layouts whose workers cannot see the API server's staging directory",
+)
 
 # -- route rows: the MoE layers only, on every runner (engine_core/route_rows.py) ----------
 ROUTE_LAYERS_BUSY_LOOP = VllmPatch(
