@@ -1,20 +1,17 @@
-"""Refuse, at start, the layouts where an update's staged files cannot reach every worker.
+"""Where the engines run, seen from the API server, and the one layout updates cannot serve.
 
-Why: an update is staged as files in a directory (`art_vllm_plugin.staging`, default
-`/dev/shm`) that the API server writes and every worker of every engine reads, leaving its
-markers there. That holds where the API server and all the workers it updates run on one host.
-Two of vLLM's layouts break it:
+An update is staged as files in a directory (`art_vllm_plugin.staging`, default `/dev/shm`)
+that the API server writes and every worker of a local engine reads, leaving its markers
+there. Engines on another host (vLLM's multi-node data parallelism: `--data-parallel-size-local`
+below `--data-parallel-size`, the other hosts running `--headless`) cannot see that directory:
+the API server sends them the adapter's bytes in the stage call instead, and they stage on
+their own host (`engine_core/relayed_stages.py`). `remote_dp_ranks` says which engines those
+are.
 
-- engines on another host behind this API server: data parallelism with
-  `--data-parallel-size-local` below `--data-parallel-size` (the remote engines run
-  `--headless`). External and hybrid load balancing are left to their own refusal
-  (`api_server/state.py`, `refuse_partial_data_parallel`), which names the mode;
-- one engine's workers on several hosts (`--nnodes` above the data-parallel nodes).
-
-There, workers could not see the stage: an update waited for their markers for five minutes
-and failed with 500. A clear refusal at start, naming the flags, is better. Moving the bytes
-to remote workers over vLLM's own channels is the fix this guard stands in for (issue 23
-item 3, open).
+Refused at start, naming the flag: one engine's workers on several hosts (`--nnodes` above the
+data-parallel hosts). The engine would write a relayed stage on its own host, which the
+workers on the other hosts cannot see either. (External and hybrid load balancing are left to
+their own refusal, `api_server/state.py` `refuse_partial_data_parallel`, which names the mode.)
 
 The check runs where vLLM turns arguments into its config (`EngineArgs.create_engine_config`),
 in the API server and in a `--headless` engine process alike.
@@ -25,37 +22,38 @@ from __future__ import annotations
 import functools
 
 
-def remote_workers(parallel_config) -> str | None:
-    """What in `parallel_config` puts workers out of the API server's reach, or None."""
+def remote_dp_ranks(parallel_config) -> set[int]:
+    """DP ranks of the engines on other hosts than this API server's (which runs ranks
+    `data_parallel_rank` to `data_parallel_rank + data_parallel_size_local - 1`)."""
     p = parallel_config
-    size, local = p.data_parallel_size, p.data_parallel_size_local
-    per_host_lb = p.data_parallel_external_lb or p.data_parallel_hybrid_lb
-    if size > 1 and local < size and not per_host_lb:
-        return (
-            f"--data-parallel-size {size} with --data-parallel-size-local {local}: "
-            f"{size - local} data-parallel engine(s) run on other hosts"
-        )
-    dp_hosts = max(size // max(local, 1), 1)
+    first = p.data_parallel_rank or 0
+    local = range(first, first + p.data_parallel_size_local)
+    return {rank for rank in range(p.data_parallel_size) if rank not in local}
+
+
+def workers_across_hosts(parallel_config) -> str | None:
+    """Why one engine's workers span several hosts in `parallel_config`, or None."""
+    p = parallel_config
+    dp_hosts = max(p.data_parallel_size // max(p.data_parallel_size_local, 1), 1)
     if p.nnodes > dp_hosts:
         return f"--nnodes {p.nnodes}: one engine's workers span {p.nnodes // dp_hosts} hosts"
     return None
 
 
 def check_host_layout(parallel_config) -> None:
-    """Raise ValueError when workers would not see the API server's staging directory."""
-    why = remote_workers(parallel_config)
+    """Raise ValueError when some worker could not see the stage its engine reads from."""
+    why = workers_across_hosts(parallel_config)
     if why is None:
         return
     raise ValueError(
-        f"{why}. The art plugin stages each slot update as files that the API server writes "
-        "and every worker reads, so it serves only where the API server and the workers it "
-        "updates share one host; multi-host layouts are not supported yet. Run one server "
-        "per host behind your load balancer and publish to all of them with "
-        "art_protocol.client.Fleet, or start without the plugin."
+        f"{why}. The art plugin stages each slot update as files on the engine's host that "
+        "every worker of the engine reads, so an engine's workers must share one host "
+        "(engines on other hosts are fine: --data-parallel-size-local with --headless). Use "
+        "data parallelism across hosts instead, or start without the plugin."
     )
 
 
-def refuse_remote_workers(create_engine_config):
+def refuse_workers_across_hosts(create_engine_config):
     """Wrapper for `EngineArgs.create_engine_config` (applied by `install`)."""
 
     @functools.wraps(create_engine_config)

@@ -50,8 +50,8 @@ def install_selected_process(plugin_handover: Callable) -> None:
 
     # Labels are exact only on tested executors: refused where arguments become a config.
     compat.wrap(P.EXECUTOR_GUARD, executor_guard.refuse_untested_executor)
-    # Staged files must reach every worker: multi-host layouts are refused there too.
-    compat.wrap(P.HOST_LAYOUT_GUARD, host_layout.refuse_remote_workers)
+    # Staged files must reach every worker: engines spanning hosts are refused there too.
+    compat.wrap(P.HOST_LAYOUT_GUARD, host_layout.refuse_workers_across_hosts)
     # The config check runs wherever a VllmConfig is built (API server and EngineCore).
     compat.wrap(P.AUX_OUTPUT_CHECK, routes_config.worker_path_check(compat.routes_use_worker_path))
     install_engine_core()
@@ -73,12 +73,15 @@ def install_engine_core() -> None:
         core_pinning,
         figures_push,
         lease_versions,
+        relayed_stages,
         route_rows,
         slot_updates,
         step_rides,
     )
 
     compat.add_all(P.SLOT_UPDATE_UTILITIES, slot_updates)
+    # Engines on another host stage from bytes sent in the call (relayed_stages.py).
+    compat.add_all(P.RELAYED_STAGE_UTILITIES, relayed_stages)
     # Slot updates ride the next step; an engine that will not step sends them as an RPC.
     compat.wrap(P.ENGINE_RIDE_FLUSH, step_rides.flush_if_idle)
     # Updates an API server staged or committed and never ended free their workers' copies.

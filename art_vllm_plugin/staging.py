@@ -9,8 +9,9 @@ the update returns. Each worker loads the staged copy on a background thread and
 marker file, `ready.<rank>` or `failed.<rank>` (holding the error), that the API server
 polls without involving the engine. The directory is removed when the update ends.
 
-The API server and the workers must share the file system (one host): the plugin serves
-single-node engines only.
+The API server and the workers of its local engines share this directory. An engine on
+another host (multi-node data parallelism) gets the bytes in its stage call and writes its own
+stage there with these same functions (`engine_core/relayed_stages.py`).
 
 A budget, because `/dev/shm` is small in containers (64 MiB by default in Docker and
 Kubernetes): before anything is written, an adapter over `--art-max-adapter-bytes` is refused

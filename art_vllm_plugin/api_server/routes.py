@@ -37,9 +37,15 @@ async def capabilities(request: Request) -> dict:
 
 
 @router.get("/v1/engine")
-async def engine_state(request: Request) -> dict:
-    """EngineCore's view: completed engine steps, per-slot versions (by LoRA id), label."""
-    return await compat.call_engine_utility(request.app.state.art.engine_client, "art_slot_state")
+async def engine_state(request: Request, engine: int = 0):
+    """EngineCore's view: completed engine steps, per-slot versions (by LoRA id), label.
+    `?engine=D`: DP engine D's (default 0)."""
+    targets = dict(compat.engine_targets(request.app.state.art.engine_client))
+    if engine not in targets:
+        return _error(404, f"no engine {engine}: this server manages DP ranks {sorted(targets)}")
+    return await compat.call_engine_utility_on(
+        request.app.state.art.engine_client, targets[engine], "art_slot_state"
+    )
 
 
 @router.get("/v1/slots")

@@ -38,12 +38,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from art_vllm_plugin import compat, staging
+from art_vllm_plugin import compat, host_layout, staging
 from art_vllm_plugin.adapters import AdapterFiles
 
 #: How long workers may take to stage an adapter before the update is abandoned.
 STAGE_TIMEOUT_S = 300.0
 _POLL_S = 0.003
+#: Between marker reads of engines on other hosts (each is a utility call to the engine).
+_REMOTE_POLL_S = 0.02
 
 
 class PublishError(Exception):
@@ -59,10 +61,13 @@ class PublishError(Exception):
 
 @dataclass(frozen=True)
 class Engine:
-    """One DP engine this API server manages."""
+    """One DP engine this API server manages. `remote`: it runs on another host, so it cannot
+    see this server's staging directory and gets the adapter's bytes in the stage call
+    (`engine_core/relayed_stages.py`)."""
 
     dp_rank: int
     identity: object
+    remote: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,10 @@ class PublishResult:
 
 
 def engines_of(engine_client) -> list[Engine]:
-    return [Engine(rank, ident) for rank, ident in compat.engine_targets(engine_client)]
+    remote = host_layout.remote_dp_ranks(engine_client.vllm_config.parallel_config)
+    return [
+        Engine(rank, ident, rank in remote) for rank, ident in compat.engine_targets(engine_client)
+    ]
 
 
 async def call(engine_client, engine: Engine, method: str, *args):
@@ -112,13 +120,14 @@ async def publish(
     current_version: int,
     config: staging.StagingConfig,
     operation_id: str | None = None,
-    staged: Path | None = None,
+    pushed_dir: Path | None = None,
 ) -> PublishResult:
-    """`staged`: the directory a push already wrote `files` to (removed here like any stage)."""
+    """`pushed_dir`: the directory a push already wrote `files` to (removed here like any
+    stage)."""
     keeps = f"slot {slot!r} keeps serving version {current_version}"
     try:
         stage_dir = await asyncio.to_thread(
-            _write_stage, config, slot, version, files, engines, staged
+            _write_stage, config, slot, version, files, engines, pushed_dir
         )
     except staging.StagingRefused as exc:
         raise PublishError(exc.status, f"{exc}; {keeps}") from exc
@@ -133,13 +142,7 @@ async def publish(
                     engine_client,
                     e,
                     deadline,
-                    token,
-                    lora_int_id,
-                    slot,
-                    str(stage_dir),
-                    version,
-                    str(staging.marker_dir(stage_dir, e.dp_rank)),
-                    digest,
+                    *_stage_call(e, stage_dir, token, lora_int_id, slot, files, version, digest),
                 )
                 for e in engines
             ),
@@ -149,11 +152,15 @@ async def publish(
         for e, res in zip(engines, results, strict=True):
             if isinstance(res, BaseException):
                 raise _engine_failure(res, f"staging on engine {e.dp_rank}", keeps) from res
-        for res in results:
+        for e, res in zip(engines, results, strict=True):
             if not res["ok"]:
-                status = 503 if res.get("kind") == "busy" else 409  # busy past the deadline
-                raise PublishError(status, f"{res['error']}; nothing changed")
-        await _wait_staged(stage_dir, engines, [r["ranks"] for r in results], files, keeps)
+                kind = res.get("kind")
+                # busy past the deadline: 503; no room on a remote engine's host: its status
+                status = {"busy": 503, "staging": res.get("status", 500)}.get(kind, 409)
+                where = f" (engine {e.dp_rank})" if kind == "staging" else ""
+                raise PublishError(status, f"{res['error']}{where}; nothing changed")
+        ranks = [r["ranks"] for r in results]
+        await _wait_staged(engine_client, stage_dir, engines, ranks, files, keeps, token)
         stage_ms = (time.perf_counter() - t0) * 1000.0
         results = await call_all(
             engine_client, engines, "art_commit_lora_update", token, path, digest, operation_id
@@ -184,6 +191,9 @@ async def publish(
             # If an engine is gone, nothing staged there can be used any more anyway.
             with contextlib.suppress(Exception):
                 await call_all(engine_client, staged, "art_abort_lora_update", token)
+        if remote := [e for e in engines if e.remote]:
+            with contextlib.suppress(Exception):  # an engine that is gone took its host's copy
+                await call_all(engine_client, remote, "art_drop_relayed", token)
         await asyncio.to_thread(staging.remove, stage_dir)
 
 
@@ -225,25 +235,40 @@ async def _settle_commits(engine_client, engines, results, token, slot, version,
     )
 
 
-async def _stage_on(engine_client, engine: Engine, deadline: float, *args) -> dict:
+def _stage_call(e: Engine, stage_dir, token, lora_int_id, slot, files, version, digest) -> tuple:
+    """(utility, *args) that stages on engine `e`: from this server's stage directory, or,
+    for an engine on another host, from the bytes themselves (`relayed_stages`)."""
+    if e.remote:
+        return (
+            *("art_stage_relayed", token, lora_int_id, slot, files.as_files()),
+            *(version, digest, e.dp_rank),
+        )
+    markers = str(staging.marker_dir(stage_dir, e.dp_rank))
+    return (
+        *("art_stage_lora_update", token, lora_int_id, slot, str(stage_dir)),
+        *(version, markers, digest),
+    )
+
+
+async def _stage_on(engine_client, engine: Engine, deadline: float, method: str, *args) -> dict:
     """Start staging on one engine, asking again while it answers `busy` (another slot's
     update is between its commit and its finish there: a few utility calls)."""
     while True:
-        res = await call(engine_client, engine, "art_stage_lora_update", *args)
+        res = await call(engine_client, engine, method, *args)
         if res["ok"] or res.get("kind") != "busy" or time.monotonic() > deadline:
             return res
         await asyncio.sleep(_POLL_S)
 
 
 def _write_stage(
-    config: staging.StagingConfig, slot, version, files: AdapterFiles, engines, staged=None
+    config: staging.StagingConfig, slot, version, files: AdapterFiles, engines, pushed_dir=None
 ) -> Path:
     """A stage directory holding `files` and one marker directory per engine; nothing is left
     behind when it fails (`staging.StagingRefused`: 507 when out of space, else 500)."""
     what = f"adapter {slot}@{version}"
-    if staged is None:
+    if pushed_dir is None:
         config.check_space(len(files.config) + len(files.weights), what)
-    stage_dir = staged
+    stage_dir = pushed_dir
     try:
         if stage_dir is None:
             stage_dir = staging.new_stage_dir(config, slot, version)
@@ -261,23 +286,42 @@ def _write_stage(
     return stage_dir
 
 
-def _poll_all(stage_dir, pending) -> list[tuple[list[int], dict[int, str]]]:
-    """Each pending engine's (ranks ready, {rank: error}) from its marker directory."""
+def _poll_local(stage_dir, pending) -> list[tuple[list[int], dict[int, str]] | None]:
+    """Each pending local engine's (ranks ready, {rank: error}) from its marker directory."""
     return [
-        staging.poll(staging.marker_dir(stage_dir, engine.dp_rank), engine_ranks)
-        for engine, engine_ranks in pending
+        None if engine.remote else staging.poll(staging.marker_dir(stage_dir, engine.dp_rank), r)
+        for engine, r in pending
     ]
 
 
+async def _poll_all(engine_client, stage_dir, pending, token: str) -> list:
+    """Markers of local engines are files here: read on a thread, never with the event
+    loop's time. A remote engine reads its own (`art_stage_markers`), at most every
+    `_REMOTE_POLL_S` (each read is a utility call on its busy loop)."""
+    polled = await asyncio.to_thread(_poll_local, stage_dir, pending)
+    for i, (engine, engine_ranks) in enumerate(pending):
+        if engine.remote:
+            ready, failed = await call(
+                engine_client, engine, "art_stage_markers", token, engine_ranks
+            )
+            polled[i] = (ready, {int(k): v for k, v in failed.items()})
+    return polled
+
+
 async def _wait_staged(
-    stage_dir, engines: list[Engine], ranks: list[list[int]], files: AdapterFiles, keeps: str
+    engine_client,
+    stage_dir,
+    engines: list[Engine],
+    ranks: list[list[int]],
+    files: AdapterFiles,
+    keeps: str,
+    token: str,
 ) -> None:
     deadline = time.monotonic() + STAGE_TIMEOUT_S
     pending = list(zip(engines, ranks, strict=True))
     while pending:
         still = []
-        # The markers are files: read them on a thread, never with the event loop's time.
-        polled = await asyncio.to_thread(_poll_all, stage_dir, pending)
+        polled = await _poll_all(engine_client, stage_dir, pending, token)
         for (engine, engine_ranks), (ready, failed) in zip(pending, polled, strict=True):
             if failed:
                 rank, text = sorted(failed.items())[0]
@@ -303,4 +347,4 @@ async def _wait_staged(
                 f"workers of engines {sorted(late)} did not stage the adapter within "
                 f"{STAGE_TIMEOUT_S:.0f} s; every engine aborted the update; {keeps}",
             )
-        await asyncio.sleep(_POLL_S)
+        await asyncio.sleep(_REMOTE_POLL_S if any(e.remote for e, _ in pending) else _POLL_S)

@@ -274,7 +274,7 @@ class UpdateCoordinator:
                     current_version=current,
                     config=self.staging,
                     operation_id=req.operation_id,
-                    staged=pushed.stage_dir if pushed is not None else None,
+                    pushed_dir=pushed.stage_dir if pushed is not None else None,
                 )
             except slot_publish.PublishError as exc:
                 if pushed is not None:

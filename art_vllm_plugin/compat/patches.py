@@ -128,6 +128,13 @@ SLOT_UPDATE_UTILITIES = adds(
     by="engine_core.slot_updates",
     why="utility calls of the two-phase slot update and the slot registry",
 )
+RELAYED_STAGE_UTILITIES = adds(
+    _ENGINE,
+    "EngineCore",
+    ("art_stage_relayed", "art_stage_markers", "art_drop_relayed"),
+    by="engine_core.relayed_stages",
+    why="utility calls that stage an update from bytes sent in the call (engines on other hosts)",
+)
 LEASE_UTILITIES = adds(
     _ENGINE,
     "EngineCore",
@@ -284,8 +291,8 @@ EXECUTOR_GUARD = VllmPatch(
 HOST_LAYOUT_GUARD = VllmPatch(
     "vllm.engine.arg_utils",
     "EngineArgs.create_engine_config",
-    by="host_layout.refuse_remote_workers",
-    why="refuses layouts whose workers cannot see the API server's staging directory",
+    by="host_layout.refuse_workers_across_hosts",
+    why="refuses engines whose workers span hosts (they could not see their stage)",
 )
 
 # -- route rows: the MoE layers only, on every runner (engine_core/route_rows.py) ----------

@@ -37,6 +37,7 @@ def abort(core, token: str) -> None:
     workers (a stage ride not sent yet is dropped instead)."""
     state = engine_state(core)
     state.updates.staged.pop(token, None)
+    state.drop_relayed(token)  # the files on this host of a relayed stage (`relayed_stages`)
     sent = step_rides.drop(core, token)
     if sent:
         step_rides.queue(core, step_rides.Ride(step_rides.ABORT, token, ()))

@@ -431,4 +431,7 @@ def art_slot_state(self) -> dict[str, Any]:
         # Registry reads by API servers (`art_registry_snapshot`): alias checks and
         # /art/metrics answer from their cached copy, so these stay rare under load.
         "registry_reads": engine.registry_reads,
+        # Stages written on this engine's host from bytes sent in the stage call, because
+        # the engine runs on another host than the API server (relayed_stages.py).
+        "relayed_stages": engine.relayed_total,
     }

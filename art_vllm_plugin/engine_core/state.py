@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from art_protocol.provenance import PREFIX, decode_versions, encode_versions
-from art_vllm_plugin import compat
+from art_vllm_plugin import compat, staging
 from art_vllm_plugin.engine_core.slot_registry import SlotRecord, SlotRegistry
 
 
@@ -134,6 +134,18 @@ class EngineCoreState:
     #: decided at the first step.
     figures: Any = None
     figures_decided: bool = False
+    #: Stages written on this engine's host for updates whose bytes came in the stage call
+    #: (`relayed_stages`): token -> (stage directory, this engine's marker directory).
+    relayed: dict[str, tuple[str, str]] = field(default_factory=dict)
+    relayed_total: int = 0  # relayed stages written on this engine's host
+
+    def drop_relayed(self, token: str) -> bool:
+        """Remove the relayed stage of `token`, if any (its update ended or was abandoned)."""
+        entry = self.relayed.pop(token, None)
+        if entry is None:
+            return False
+        staging.remove(entry[0])
+        return True
 
 
 def engine_state(core) -> EngineCoreState:

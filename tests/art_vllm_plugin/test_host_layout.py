@@ -1,13 +1,14 @@
-"""Layouts where staged files cannot reach every worker are refused at start, naming the flags
-(art_vllm_plugin.host_layout). Until updates move their bytes over vLLM's own channels, a
-remote engine would make every update wait five minutes for markers and fail with 500."""
+"""Where the engines run (art_vllm_plugin.host_layout): engines on other hosts get their stage's
+bytes in the stage call (test_two_hosts.py serves that for real); one engine's workers spread
+over several hosts are refused at start, naming the flag, since they could not see the stage
+their engine writes."""
 
 from __future__ import annotations
 
 import pytest
 
 from art_vllm_plugin import serve_process
-from art_vllm_plugin.host_layout import check_host_layout, remote_workers
+from art_vllm_plugin.host_layout import check_host_layout, remote_dp_ranks, workers_across_hosts
 
 pytestmark = pytest.mark.serve
 
@@ -19,52 +20,39 @@ def _parallel(**fields):
 
 
 @pytest.mark.parametrize(
-    "fields",
+    ("fields", "remote"),
     [
-        {},
-        {"data_parallel_size": 2, "data_parallel_size_local": 2},  # both on this host (dp2 server)
-        {"tensor_parallel_size": 2},
-        # refused elsewhere, naming the mode (test_dp_modes.py)
-        {"data_parallel_size": 4, "data_parallel_size_local": 2, "data_parallel_hybrid_lb": True},
-        {"data_parallel_size": 2, "data_parallel_size_local": 1, "data_parallel_external_lb": True},
+        ({}, set()),
+        ({"data_parallel_size": 2, "data_parallel_size_local": 2}, set()),  # the dp2 server
+        ({"data_parallel_size": 2, "data_parallel_size_local": 1}, {1}),  # rank 1 --headless
+        ({"data_parallel_size": 4, "data_parallel_size_local": 2}, {2, 3}),
+        ({"data_parallel_size": 2, "data_parallel_size_local": 0}, {0, 1}),  # API-only host
     ],
 )
-def test_one_host_layouts_pass(fields):
-    check_host_layout(_parallel(**fields))
-
-
-@pytest.mark.parametrize(
-    ("fields", "named"),
-    [
-        (
-            {"data_parallel_size": 2, "data_parallel_size_local": 1},
-            "--data-parallel-size 2 with --data-parallel-size-local 1: 1 data-parallel engine(s) "
-            "run on other hosts",
-        ),
-        (
-            {"tensor_parallel_size": 2, "nnodes": 2},
-            "--nnodes 2: one engine's workers span 2 hosts",
-        ),
-    ],
-)
-def test_multi_host_layouts_are_refused_naming_the_flags(fields, named):
+def test_engines_on_other_hosts_are_the_ranks_beyond_the_local_ones(fields, remote):
     parallel = _parallel(**fields)
-    assert remote_workers(parallel) == named
+    assert remote_dp_ranks(parallel) == remote
+    check_host_layout(parallel)  # served: remote engines stage from relayed bytes
+
+
+def test_workers_of_one_engine_across_hosts_are_refused_naming_the_flag():
+    parallel = _parallel(tensor_parallel_size=2, nnodes=2)
+    named = "--nnodes 2: one engine's workers span 2 hosts"
+    assert workers_across_hosts(parallel) == named
     with pytest.raises(ValueError) as refused:
         check_host_layout(parallel)
     assert str(refused.value).startswith(named)
-    assert "art_protocol.client.Fleet" in str(refused.value)
+    assert "--headless" in str(refused.value)
 
 
-def test_serve_with_a_remote_engine_is_refused_before_anything_starts(tiny_model, server_log):
-    """The API server of a two-host data-parallel deployment (the second host would run
-    `--headless`): refused where vLLM builds its config, before any engine starts."""
+def test_serve_with_workers_across_hosts_is_refused_before_anything_starts(
+    tiny_model, server_log
+):
     config = serve_process.ServeConfig(
         model=str(tiny_model),
         args=(
-            *("--max-model-len", "256"),
-            *("--data-parallel-size", "2", "--data-parallel-size-local", "1"),
-            *("--data-parallel-address", "127.0.0.1"),
+            *("--max-model-len", "256", "--tensor-parallel-size", "2"),
+            *("--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"),
         ),
         log_path=server_log,
         startup_timeout_s=180,
@@ -72,5 +60,5 @@ def test_serve_with_a_remote_engine_is_refused_before_anything_starts(tiny_model
     with pytest.raises(serve_process.ServerStartError) as refused:
         serve_process.start(config)
     log = str(refused.value) + server_log.read_text(errors="replace")
-    assert "1 data-parallel engine(s) run on other hosts" in log
+    assert "--nnodes 2: one engine's workers span 2 hosts" in log
     assert "Engine core initialization" not in log

@@ -21,7 +21,9 @@ def stand_in_engine(has_requests: bool):
     core = SimpleNamespace(
         scheduler=SimpleNamespace(has_requests=lambda: has_requests),
         model_executor=SimpleNamespace(collective_rpc=collective_rpc),
-        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1)),
+        vllm_config=SimpleNamespace(
+            parallel_config=SimpleNamespace(pipeline_parallel_size=1, world_size=1)
+        ),
     )
     engine_state(core).stamps.scheduler_stamped = True
     return core, sent

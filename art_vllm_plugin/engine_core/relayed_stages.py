@@ -1,0 +1,80 @@
+"""Stages for engines on another host: the adapter's bytes come in the stage call itself.
+
+Why: an update is staged as files that the workers read (`art_vllm_plugin.staging`). The API
+server writes them to its own staging directory, which the workers of an engine on another
+host (vLLM's multi-node data parallelism: `--data-parallel-size-local` below
+`--data-parallel-size`, the other hosts running `--headless`) cannot see. vLLM already
+connects the API server to every engine, remote ones included, for its utility calls, so the
+bytes ride that channel: `art_stage_relayed` writes them to a stage directory on the engine's
+own host (`ART_STAGING_DIR` there, else `/dev/shm`), then stages from it exactly as
+`slot_updates.art_stage_lora_update` does. The API server reads that engine's markers through
+`art_stage_markers` and removes the directory with `art_drop_relayed` once the update ended;
+an abort or an abandoned update removes it too (`abandoned_updates`).
+
+Cost: the engine writes the adapter's bytes once, on its busy loop, inside the stage call (a
+tmpfs write: about a millisecond per MB here); the local engines stage as before.
+"""
+
+from __future__ import annotations
+
+from art_vllm_plugin import staging
+from art_vllm_plugin.engine_core import slot_updates
+from art_vllm_plugin.engine_core.state import engine_state
+
+
+def _stage_dir_for(config: staging.StagingConfig, name: str, version: int, files: dict) -> str:
+    what = f"adapter {name}@{version} on this engine's host"
+    config.check_space(sum(len(b) for b in files.values()), what)
+    stage_dir = staging.new_stage_dir(config, name, version)
+    try:
+        staging.write_files(stage_dir, files)
+    except OSError as exc:
+        staging.remove(stage_dir)
+        raise config.refusal_for(exc, what) from exc
+    return str(stage_dir)
+
+
+def art_stage_relayed(
+    self,
+    token: str,
+    lora_int_id: int,
+    name: str,
+    files: dict[str, bytes],
+    version: int,
+    digest: str,
+    engine: int,
+) -> dict:
+    """Write `files` to a stage on this host and stage from it (`engine`: this engine's DP
+    rank, which names its marker directory). Answers like `art_stage_lora_update`; a stage
+    this host has no room for is refused (`kind` "staging", with the HTTP `status`)."""
+    try:
+        stage_dir = _stage_dir_for(staging.StagingConfig.create(None, None), name, version, files)
+    except (staging.StagingRefused, staging.StagingDirError) as exc:
+        status = getattr(exc, "status", 500)
+        return {"ok": False, "kind": "staging", "status": status, "error": str(exc)}
+    markers = staging.marker_dir(stage_dir, engine)
+    res = slot_updates.art_stage_lora_update(
+        self, token, lora_int_id, name, stage_dir, version, str(markers), digest
+    )
+    if res["ok"]:
+        state = engine_state(self)
+        state.relayed[token] = (stage_dir, str(markers))
+        state.relayed_total += 1
+    else:
+        staging.remove(stage_dir)
+    return res
+
+
+def art_stage_markers(self, token: str, ranks: list[int]) -> tuple[list[int], dict[int, str]]:
+    """This engine's workers' markers of the relayed stage `token`: (ranks ready, {rank:
+    error}); `staging.poll` on this host."""
+    entry = engine_state(self).relayed.get(token)
+    if entry is None:
+        return [], dict.fromkeys(ranks, "engine\nno relayed stage of this update on the engine")
+    return staging.poll(entry[1], ranks)
+
+
+def art_drop_relayed(self, token: str) -> bool:
+    """Remove the relayed stage of `token` (its update ended; the workers hold what they
+    staged in memory)."""
+    return engine_state(self).drop_relayed(token)
