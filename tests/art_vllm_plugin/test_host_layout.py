@@ -45,9 +45,7 @@ def test_workers_of_one_engine_across_hosts_are_refused_naming_the_flag():
     assert "--headless" in str(refused.value)
 
 
-def test_serve_with_workers_across_hosts_is_refused_before_anything_starts(
-    tiny_model, server_log
-):
+def test_serve_with_workers_across_hosts_is_refused_before_anything_starts(tiny_model, server_log):
     config = serve_process.ServeConfig(
         model=str(tiny_model),
         args=(

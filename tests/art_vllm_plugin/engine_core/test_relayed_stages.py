@@ -7,11 +7,11 @@ A stand-in engine (`support.stand_in_engine`) and a staging directory per test
 from __future__ import annotations
 
 import pytest
+from support.stand_in_engine import stand_in_engine
 
 from art_vllm_plugin import staging
 from art_vllm_plugin.engine_core import abandoned_updates, relayed_stages
 from art_vllm_plugin.engine_core.state import engine_state
-from support.stand_in_engine import stand_in_engine
 
 pytestmark = pytest.mark.serve
 
