@@ -291,6 +291,30 @@ def te_layernorm_output(output) -> tuple:
     return out, bias, ln_out
 
 
+# --- TE op fuser in grouped experts (art_megatron_ext/lora/attach.py) -----------------------
+# With `TransformerConfig.use_transformer_engine_op_fuser` on, 0.19's `TEGroupedMLP.__init__`
+# asserts TE (>= 2.14) can fuse the layer and stores the decision in `_with_fused_impl`; its
+# `forward` then runs `_fused_forward`, TE fused ops built from the weights of `linear_fc1` /
+# `linear_fc2`, and never calls either module, so hooks on them (LoRA) never fire.
+TE_OP_FUSER_FLAG = "use_transformer_engine_op_fuser"
+_TE_GROUPED_MLP_FUSED_ATTR = "_with_fused_impl"
+
+
+def te_grouped_mlp_bypasses_linears(experts) -> bool:
+    """True when `experts` is Megatron's `TEGroupedMLP` (or a subclass) set to run the TE
+    op-fuser path, which never calls its `linear_fc1` / `linear_fc2`.
+
+    Reads the constructor's decision (`_with_fused_impl`); a version without that attribute
+    falls back to the config flag, erring on the side of refusing."""
+    require_megatron()
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    if not isinstance(experts, TEGroupedMLP):
+        return False
+    flag = bool(getattr(experts.config, TE_OP_FUSER_FLAG, False))
+    return bool(getattr(experts, _TE_GROUPED_MLP_FUSED_ATTR, flag))
+
+
 # --- dist_checkpointing writes (art_megatron_ext/optim/dist_checkpoint.py) -------------------
 # Megatron's torch_dist save strategy opens every data file (`__R_I.distcp`) with the name
 # `open` looked up in `dist_checkpointing/strategies/filesystem_async.py` (0.19.2,

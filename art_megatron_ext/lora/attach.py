@@ -15,6 +15,11 @@ class UnsupportedLinear(TypeError):
     """A targeted module is not a linear this package can wrap (named in the message)."""
 
 
+class BypassedLinear(UnsupportedLinear):
+    """A targeted linear its parent never calls in this configuration, so LoRA on it would
+    train nothing; the message names the setting and how to proceed."""
+
+
 def describe_linear(
     path: str, module: torch.nn.Module, modules: dict[str, torch.nn.Module]
 ) -> SiteInfo:
@@ -173,7 +178,9 @@ def attach_lora(
     Creates slot `config.slot` (rank, alpha, seeded A, zero B) at every site unless it is
     None. With `freeze_base`, every parameter that is not a LoRA parameter stops requiring
     gradients. Returns the sites in module order. Raises `UnsupportedLinear` naming the first
-    targeted module that cannot be wrapped, before changing anything.
+    targeted module that cannot be wrapped, before changing anything; its subclass
+    `BypassedLinear` when the module would never be called (expert linears of a `TEGroupedMLP`
+    with `use_transformer_engine_op_fuser`).
     """
     from .grouped import describe_grouped_linear, is_grouped_linear
 
@@ -184,6 +191,7 @@ def attach_lora(
             continue
         if hasattr(module, "lora"):
             raise ValueError(f"{path} already has a LoRA site; attach_lora runs once per model")
+        _refuse_bypassed_linear(path, modules)
         if is_grouped_linear(module):
             found.append((module, describe_grouped_linear(path, module, modules)))
         else:
@@ -207,6 +215,26 @@ def attach_lora(
             site.add_slot(config.slot, config.rank, config.alpha, config.init_seed)
         sites.append(site)
     return sites
+
+
+def _refuse_bypassed_linear(path: str, modules: dict[str, torch.nn.Module]) -> None:
+    """Refuse a linear whose parent computes around it: Megatron's `TEGroupedMLP` with the TE
+    op fuser runs fused ops over its experts' weights and never calls `linear_fc1` /
+    `linear_fc2`. A site there would attach, count and export, yet never change an output or
+    get a gradient, so the adapter would silently stay at its initial value."""
+    parent_path = path.rpartition(".")[0]
+    parent = modules.get(parent_path)
+    if parent is None or not compat.te_grouped_mlp_bypasses_linears(parent):
+        return
+    flag = compat.TE_OP_FUSER_FLAG
+    raise BypassedLinear(
+        f"{path}: {type(parent).__name__} at {parent_path} runs Transformer Engine's op-fuser "
+        f"path (TransformerConfig.{flag}=True), which computes the experts from fused ops and "
+        "never calls linear_fc1 or linear_fc2, so LoRA on them would train nothing. To train "
+        f"expert LoRA, build the model with {flag}=False (TEGroupedMLP then calls both "
+        f"linears); to keep {flag}, leave linear_fc1 and linear_fc2 out of LoraConfig.targets "
+        "(which also leaves out dense MLPs). Nothing was attached."
+    )
 
 
 def _route_sharded_state_dict(module: torch.nn.Module, site: LoraSite) -> None:

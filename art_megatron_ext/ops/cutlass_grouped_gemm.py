@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,6 +138,33 @@ def cutlass_unavailable_reason() -> str | None:
         find_cutlass()
     except CutlassHeadersMissing as exc:
         return str(exc)
+    return None
+
+
+def library_unavailable_reason(config: kbuild.BuildConfig | None = None) -> str | None:
+    """Why `load_library(config)` can neither load nor build the library here, or None.
+
+    Why this order: the headers come first because the cache key holds the CUTLASS version
+    (no headers, no key, no cache hit); a valid cached build comes before nvcc because it
+    loads without a compiler (the build cache's promise); only then is nvcc needed. A probe
+    of the file system (sources hashed, the cached `.so` digested, PATH searched): callers
+    cache the answer (`grouped_gemm` resolves its backend once per process) instead of
+    calling it per GEMM. The GPU itself is not checked here.
+    """
+    try:
+        spec = library_spec()
+    except (CutlassHeadersMissing, kbuild.KernelBuildError) as exc:
+        return str(exc)
+    config = config or kbuild.BuildConfig()
+    if kbuild.find_cached(spec, config) is not None:
+        return None
+    if shutil.which(config.nvcc) is None:
+        return (
+            f"no valid cached build of {spec.name} in {config.cache_dir} and nvcc "
+            f"({config.nvcc!r}) is not on PATH to build one; put the CUDA toolkit's nvcc on "
+            f"PATH, or set ${kbuild.CACHE_DIR_ENV} to a kernel cache holding a build of this "
+            "source tree and CUTLASS version"
+        )
     return None
 
 

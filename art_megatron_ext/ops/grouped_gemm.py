@@ -6,8 +6,15 @@ Rows of `x` are grouped by expert (group g = the next `tokens_per_expert[g]` row
 - `cutlass`: our CUTLASS sm_90a ptr-array grouped GEMM (csrc/grouped_gemm), bf16 on Hopper.
 - `torch`: `torch._grouped_mm`, which runs everywhere (CPU included) in fp32/bf16/fp16.
 
-`auto` takes `cutlass` where it can run and `torch` elsewhere; asking for `cutlass` where it
-cannot run raises. Both kernels need 16-byte aligned row pitches, so K and N are padded to a
+`auto` takes `cutlass` where it can run and `torch` elsewhere, and logs once which it chose and
+why; asking for `cutlass` where it cannot run raises, naming why. Whether CUTLASS can run is
+decided once per process for each class of inputs (requested backend, devices, dtypes and the
+`$ART_CUTLASS_DIR` / `$ART_PIPELINE_KERNEL_CACHE` overrides), never per call: the machine
+probe (CUTLASS headers, a valid cached build, `nvcc` on PATH) reads the file system. A valid
+cached build counts without `nvcc`, as the build cache promises. `reset_backend_cache()`
+forgets the choices (after installing a toolkit in a running process, and in tests).
+
+Both kernels need 16-byte aligned row pitches, so K and N are padded to a
 multiple of 8 inside the op with differentiable `F.pad`/slicing: callers see logical shapes, and
 the gradient of a padded region is dropped by autograd, never added to a logical weight.
 """
@@ -15,8 +22,11 @@ the gradient of a padded region is dropped by autograd, never added to a logical
 from __future__ import annotations
 
 import functools
-import shutil
+import logging
+import os
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -27,14 +37,35 @@ BACKENDS: tuple[str, ...] = ("auto", "cutlass", "torch")
 ALIGN_ELEMENTS = 8
 """K and N are padded to this many elements: 16 bytes in bf16 (TMA) and >= 16 bytes in fp32."""
 TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+logger = logging.getLogger(__name__)
 
 
 class GroupedGemmBackendError(RuntimeError):
     """The requested backend cannot run these inputs on this machine (says why)."""
 
 
-def cutlass_unavailable_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
-    """Why the CUTLASS kernel cannot take (x, w) here, or None if it can."""
+@dataclass(frozen=True)
+class BackendChoice:
+    """What one class of inputs resolved to: `backend` ("cutlass"/"torch", or None when the
+    requested backend cannot run) and `reason`, the why that is logged or raised."""
+
+    backend: str | None
+    reason: str
+
+
+_CHOICES: dict[tuple, BackendChoice] = {}
+_CHOICES_LOCK = threading.Lock()
+
+
+def reset_backend_cache() -> None:
+    """Forget every resolved backend and the machine probe; the next call probes again."""
+    with _CHOICES_LOCK:
+        _CHOICES.clear()
+        _cutlass_machine_reason.cache_clear()
+
+
+def _tensor_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why the CUTLASS kernel cannot take tensors like (x, w), from their device and dtype."""
     if not (x.is_cuda and w.is_cuda):
         return f"tensors are on {x.device}/{w.device}; the CUTLASS kernel needs an sm_90 GPU"
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
@@ -42,25 +73,84 @@ def cutlass_unavailable_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
     major, minor = torch.cuda.get_device_capability(x.device)
     if (major, minor) != (9, 0):
         return f"GPU {x.device} has compute capability {major}.{minor}; the kernel is sm_90a"
-    if shutil.which("nvcc") is None:
-        return "nvcc is not on PATH, so the CUTLASS kernel cannot be built"
-    from art_megatron_ext.ops.cutlass_grouped_gemm import cutlass_unavailable_reason as headers
-
-    missing = headers()  # no nvidia-cutlass and no $ART_CUTLASS_DIR: say so, do not crash
-    if missing is not None:
-        return missing
     return None
 
 
+def _machine_key() -> tuple[str | None, str | None]:
+    """The environment overrides that change what the machine probe finds: part of the key,
+    so setting one re-probes instead of reusing an answer about another tree or cache."""
+    from art_megatron_ext.ops.cutlass_grouped_gemm import CUTLASS_DIR_ENV, kbuild
+
+    return os.environ.get(CUTLASS_DIR_ENV), os.environ.get(kbuild.CACHE_DIR_ENV)
+
+
+@functools.cache
+def _cutlass_machine_reason(cutlass_dir: str | None, kernel_cache: str | None) -> str | None:
+    """Why this machine can neither load nor build the CUTLASS library (None when it can).
+    Cached per override pair (the arguments): the probe hashes sources and searches PATH."""
+    from art_megatron_ext.ops import cutlass_grouped_gemm
+
+    return cutlass_grouped_gemm.library_unavailable_reason()
+
+
+def cutlass_unavailable_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why the CUTLASS kernel cannot take (x, w) here, or None if it can (machine part cached)."""
+    return _tensor_reason(x, w) or _cutlass_machine_reason(*_machine_key())
+
+
+def _choose(requested: str, x: torch.Tensor, w: torch.Tensor, machine: tuple) -> BackendChoice:
+    """Decide for one input class and log what `auto` took (once: the caller caches this)."""
+    tensor_reason = _tensor_reason(x, w)
+    reason = tensor_reason or _cutlass_machine_reason(*machine)
+    if requested == "cutlass":
+        if reason is None:
+            return BackendChoice("cutlass", "requested")
+        return BackendChoice(
+            None,
+            f"grouped_gemm(backend='cutlass') cannot run: {reason}. Nothing fell back; pass "
+            "backend='auto' or 'torch' to run on torch._grouped_mm instead",
+        )
+    choice = BackendChoice(
+        "cutlass" if reason is None else "torch",
+        reason or "sm_90 GPU, bfloat16, CUTLASS headers and a cached build or nvcc",
+    )
+    # a GPU that could take the kernel but a machine that cannot build or load it is a real
+    # slowdown the user should see; a CPU or fp32 input choosing torch is expected
+    level = logging.WARNING if tensor_reason is None and reason else logging.INFO
+    logger.log(
+        level,
+        "grouped_gemm(backend='auto') uses %r for %s %s inputs: %s",
+        choice.backend,
+        x.device,
+        x.dtype,
+        choice.reason,
+    )
+    return choice
+
+
 def resolve_backend(requested: str, x: torch.Tensor, w: torch.Tensor) -> str:
+    """The backend that runs (x, w) for `requested`: "cutlass" or "torch".
+
+    Resolved once per process for each (requested, devices, dtypes, overrides) and then read
+    from a dict, so a training step pays no file-system probe per GEMM; `auto` logs its choice
+    and the reason when it is made. Raises `GroupedGemmBackendError` (every call) when
+    "cutlass" is requested where it cannot run, `ValueError` for an unknown name.
+    """
     if requested not in BACKENDS:
         raise ValueError(f"backend={requested!r}; expected one of {BACKENDS}")
     if requested == "torch":
         return "torch"
-    reason = cutlass_unavailable_reason(x, w)
-    if requested == "cutlass" and reason is not None:
-        raise GroupedGemmBackendError(f"grouped_gemm(backend='cutlass') cannot run: {reason}")
-    return "cutlass" if reason is None else "torch"
+    machine = _machine_key()
+    key = (requested, str(x.device), str(w.device), x.dtype, w.dtype, machine)
+    choice = _CHOICES.get(key)
+    if choice is None:
+        with _CHOICES_LOCK:  # one probe and one log line even if threads race here
+            choice = _CHOICES.get(key)
+            if choice is None:
+                choice = _CHOICES[key] = _choose(requested, x, w, machine)
+    if choice.backend is None:
+        raise GroupedGemmBackendError(choice.reason)
+    return choice.backend
 
 
 class _TorchKernels:

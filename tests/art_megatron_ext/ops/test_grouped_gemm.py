@@ -6,6 +6,8 @@ fp32 rounding per product term); bf16 inputs to 2e-2 (bf16 output rounding plus 
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -164,7 +166,8 @@ def test_auto_checks_the_cutlass_headers_before_choosing_cutlass(monkeypatch, tm
     gg = importlib.import_module("art_megatron_ext.ops.grouped_gemm")  # the module, not the op
 
     monkeypatch.setattr(gg.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(gg.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    gg.reset_backend_cache()  # the machine is probed once per process: probe this one
     monkeypatch.setenv("ART_CUTLASS_DIR", str(tmp_path))  # a tree without the headers
     x = w = _FakeCudaTensor()
     assert gg.resolve_backend("auto", x, w) == "torch"
