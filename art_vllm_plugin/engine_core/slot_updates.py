@@ -123,6 +123,8 @@ def art_stage_lora_update(
     state = engine.updates
     if (stale := _stale(state, lora_int_id, name, version)) is not None:
         return stale
+    if not os.path.isdir(marker_dir or stage_dir):
+        return _unseen_stage(marker_dir or stage_dir)
     if digest is None:
         try:
             digest = digest_dir(stage_dir)
@@ -144,6 +146,20 @@ def art_stage_lora_update(
         lora_int_id, name, version, ranks, time.perf_counter() - t0
     )
     return {"ok": True, "ranks": ranks, "stall_ms": (time.perf_counter() - t0) * 1e3}
+
+
+def _unseen_stage(path: str) -> dict:
+    """The stage the API server wrote is not on this engine's file system: its workers would
+    never find it, nor could they leave a marker, and the update would wait minutes for one.
+    Refused at once instead, naming the way out."""
+    return {
+        "ok": False,
+        "kind": "staging",
+        "status": 500,
+        "error": f"this engine cannot see the staging directory {path}: the API server and "
+        "the engine do not share it (containers with a /dev/shm each?). Start the server with "
+        "--art-staging-dir (or ART_STAGING_DIR) on a directory both see",
+    }
 
 
 @dataclass

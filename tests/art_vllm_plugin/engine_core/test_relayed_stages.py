@@ -65,3 +65,17 @@ def test_markers_of_an_unknown_stage_read_as_failed(host_dir):
     core, _ = stand_in_engine(has_requests=False)
     ready, failed = relayed_stages.art_stage_markers(core, "nope", [0, 1])
     assert ready == [] and set(failed) == {0, 1}
+
+
+def test_a_stage_this_engine_cannot_see_is_refused_at_once(tmp_path):
+    """An API server whose staging directory the engine does not share (separate /dev/shm in
+    two containers) gets a refusal naming the flag, not a five-minute wait for markers."""
+    from art_vllm_plugin.engine_core import slot_updates
+
+    core, sent = stand_in_engine(has_requests=False)
+    elsewhere = tmp_path / "only-on-the-api-servers-host"
+    res = slot_updates.art_stage_lora_update(
+        core, "t", 1, "policy", str(elsewhere), 2, str(elsewhere / "markers-engine0"), "d"
+    )
+    assert not res["ok"] and res["kind"] == "staging" and "--art-staging-dir" in res["error"]
+    assert sent == [] and not engine_state(core).updates.staged
