@@ -72,6 +72,7 @@ def install_engine_core() -> None:
         cache_salting,
         core_pinning,
         figures_push,
+        lease_records,
         lease_versions,
         relayed_stages,
         route_rows,
@@ -87,6 +88,7 @@ def install_engine_core() -> None:
     # Updates an API server staged or committed and never ended free their workers' copies.
     compat.wrap(P.ENGINE_ABANDONED_SWEEP, abandoned_updates.sweep_after_input)
     compat.add_all(P.LEASE_UTILITIES, lease_versions)
+    compat.add_all(P.LEASE_RECORD_UTILITIES, lease_records)
     # `add_request`: salting inside, scheduler stamping outside (the engine's scheduler is
     # stamped before its first request is salted, queued and scheduled).
     compat.wrap(P.ENGINE_SALT_REQUEST, cache_salting.salt_new_requests)

@@ -32,11 +32,16 @@ Teardown never leaks the copy's pinned CPU-cache slot: an engine that fails to d
 is logged and the LoRA is removed all the same (removing it drops the pin); the removal is
 retried, and until it succeeds the copy keeps counting against capacity (`tearing_down`).
 
-Versions are remembered as this API server sees them committed (`observe`, called around every
-update): path and digest per version, the last `HISTORY_PER_SLOT` of each slot. Leases live
-in this API server process (`ApiServerState.leases`, made on first use); with
-`--api-server-count > 1` they are refused (a lease made through one API server would not exist
-in the others).
+Where leases live: in engine 0's slot registry (`engine_core/lease_book.py`), like the slots,
+so with several API servers (`--api-server-count`, one per DP engine by default) a lease made
+through one resolves, lists and releases through every other: each API server reads the book
+with the registry (at engine 0's pushed generation, a fresh read before it refuses an alias,
+`api_server/alias_requests.py`) and installs a copy made elsewhere in its own model list on
+first use. The committed versions a lease can copy are the registry's history (the last 64 of
+each slot, whichever API server committed them). LoRA ids of copies come from the book, so two
+API servers never reuse one. A request naming `slot@N` through another API server while the
+lease is being released there may still reach the copy until that server reads the registry
+again; the copy is unlabelled only once no request uses it.
 """
 
 from __future__ import annotations
@@ -51,12 +56,10 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from art_protocol.digest import digest_bytes, digest_dir
+from art_protocol.digest import digest_bytes
 from art_vllm_plugin import compat
 from art_vllm_plugin.adapters import AdapterError, read_adapter_files
 from art_vllm_plugin.api_server.aliases import Alias
@@ -64,8 +67,6 @@ from art_vllm_plugin.api_server.paths import PathRefused
 
 logger = logging.getLogger("vllm.art_plugin.leases")
 
-#: Committed versions remembered per slot (the oldest is forgotten first).
-HISTORY_PER_SLOT = 64
 #: Longest lease accepted; renew by taking a new one.
 MAX_TTL_S = 7 * 24 * 3600.0
 #: How often a released copy re-checks that no request uses it any more.
@@ -83,52 +84,6 @@ class LeaseError(Exception):
         self.status = status
         self.message = message
         self.extra = extra
-
-
-@dataclass(frozen=True)
-class CommittedVersion:
-    slot: str
-    version: int
-    path: str
-    digest: str | None  # None when it could not be read at the time
-
-
-@dataclass
-class PinnedCopy:
-    """One immutable copy of a slot version, loaded as its own LoRA id."""
-
-    slot: str
-    version: int
-    lora_int_id: int
-    path: str  # private copy of the adapter files
-    digest: str
-    leases: set[str] = field(default_factory=set)
-
-    @property
-    def name(self) -> str:
-        return f"{self.slot}@{self.version}"
-
-
-@dataclass
-class Lease:
-    id: str
-    copy: PinnedCopy
-    ttl_s: float
-    created_at: float
-    expires_at: float
-
-    def public(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "slot": self.copy.slot,
-            "version": self.copy.version,
-            "model": self.copy.name,
-            "lora_int_id": self.copy.lora_int_id,
-            "digest": self.copy.digest,
-            "ttl_s": self.ttl_s,
-            "created_at": self.created_at,
-            "expires_at": self.expires_at,
-        }
 
 
 def parse_body(body: Any) -> tuple[str, int, float]:
@@ -149,16 +104,16 @@ async def _maybe_await(value):
 
 
 class LeaseManager:
-    """The leases of one API server (see the module docstring)."""
+    """One API server's side of the exact leases; the leases themselves are kept in engine
+    0's registry (`engine_core/lease_book.py`), shared by every API server."""
 
     def __init__(self, art_state: Any, serving_models: Any):
         self.art = art_state
         self.engine_client = art_state.engine_client
         self.serving_models = serving_models
-        self.history: dict[str, OrderedDict[int, CommittedVersion]] = {}
-        self.copies: dict[str, PinnedCopy] = {}  # name (slot@N) -> copy
-        self.leases: dict[str, Lease] = {}
-        #: Copies released whose LoRA is not removed yet (they still hold a pinned CPU slot).
+        #: Lease copies this API server resolves (their names are in its `lora_requests`).
+        self.installed: set[str] = set()
+        #: Copies released here whose LoRA is not removed yet (they still hold a CPU slot).
         self.tearing_down = 0
         #: The server-private directory of the copies, made with the first one (`copy_root`).
         self.lease_dir: Path | None = None
@@ -166,89 +121,97 @@ class LeaseManager:
         self._reaper: asyncio.Task | None = None
         self._teardowns: set[asyncio.Task] = set()
 
-    # --- versions seen committed ----------------------------------------------------------
-    async def observe(self) -> None:
-        """Remember each slot's current (version, path, digest)."""
-        for entry in await _maybe_await(self.art.slots.list()):
-            slot, version, path = entry["slot"], int(entry["version"]), entry["path"]
-            known = self.history.setdefault(slot, OrderedDict())
-            if version in known and known[version].path == path:
-                continue
-            digest = entry.get("digest")
-            if digest is None:
-                try:
-                    digest = await asyncio.to_thread(digest_dir, path)
-                except OSError:
-                    digest = None
-            known[version] = CommittedVersion(slot, version, path, digest)
-            while len(known) > HISTORY_PER_SLOT:
-                known.popitem(last=False)
+    async def _engine0(self, method: str, *args) -> Any:
+        engine0 = self.art.slots.engines[0].identity
+        return await compat.call_engine_utility_on(self.engine_client, engine0, method, *args)
+
+    async def book(self) -> dict:
+        """Every API server's leases as engine 0 has them now (one registry read)."""
+        await self.art.slots.refresh(force=True)
+        return self.art.slots.lease_book
 
     # --- create ---------------------------------------------------------------------------
-    def _capacity(self) -> tuple[int, int, int]:
+    def _capacity(self, book: dict) -> tuple[int, int, int]:
+        """(adapters resident: the slots and LoRA modules, every API server's lease copies,
+        copies still being torn down here; max_loras; max_cpu_loras)."""
         max_loras, max_cpu = compat.lora_capacity(self.engine_client.vllm_config)
-        in_use = len(self.serving_models.lora_requests) + self.tearing_down
+        own = [n for n in self.serving_models.lora_requests if n not in self.installed]
+        in_use = len(own) + len(book["copies"]) + self.tearing_down
         return in_use, max_loras, max_cpu
 
     async def create(self, slot: str, version: int, ttl_s: float) -> dict[str, Any]:
-        if int(getattr(self.art.args, "api_server_count", 1) or 1) > 1:
-            raise LeaseError(
-                409,
-                "exact leases need --api-server-count 1 (a lease lives in one API server "
-                "process; requests through the others would not find it)",
-            )
-        await self.observe()
-        if slot not in self.history:
-            raise LeaseError(404, f"unknown slot {slot!r}; slots: {sorted(self.history)}")
+        name = f"{slot}@{version}"
         async with self._lock:
-            name = f"{slot}@{version}"
-            copy = self.copies.get(name)
-            if copy is None:
-                copy = await self._pin(slot, version)
-            now = time.time()
-            lease = Lease(secrets.token_hex(8), copy, ttl_s, now, now + ttl_s)
-            copy.leases.add(lease.id)
-            self.leases[lease.id] = lease
+            for _ in range(3):  # another API server may pin or release the copy meanwhile
+                begun = await self._engine0("art_lease_begin", name)
+                found, made = begun["copy"], None
+                if found is None:
+                    made = await self._pin(slot, version, begun["lora_int_id"])
+                now = time.time()
+                lease = {
+                    "id": secrets.token_hex(8),
+                    "name": name,
+                    "ttl_s": ttl_s,
+                    "created_at": now,
+                    "expires_at": now + ttl_s,
+                }
+                added = await self._engine0("art_lease_add", made, lease)
+                if added["ok"]:
+                    break
+                if made is not None:  # another API server's copy was recorded first
+                    self.tearing_down += 1
+                    await self._teardown(made)
+            else:
+                raise LeaseError(503, f"lease {name}: the copy kept changing; try again")
+            copy = added["copy"]
+            await self.art.slots.refresh(force=True)
+            self._install(copy)
             self._start_reaper()
             logger.info(
                 "art lease %s: %s (lora id %d) until %.0f",
-                lease.id,
+                lease["id"],
                 name,
-                copy.lora_int_id,
-                lease.expires_at,
+                copy["lora_int_id"],
+                lease["expires_at"],
             )
-            return lease.public()
+            return public(lease, copy)
 
-    async def _pin(self, slot: str, version: int) -> PinnedCopy:
+    async def _version(self, slot: str, version: int) -> tuple[str, str]:
+        """Path and digest of committed `version` of `slot` (through any API server)."""
+        found = await self._engine0("art_lease_version", slot, version)
+        if found["ok"]:
+            return found["path"], found["digest"]
+        if found["kind"] == "unknown":
+            raise LeaseError(404, f"unknown slot {slot!r}; slots: {found['slots']}")
+        raise LeaseError(
+            404,
+            f"version {version} of slot {slot!r} is not available: the server has not "
+            f"committed it (versions it remembers: {found['remembered']}, current "
+            f"{slot}@{found['current']})",
+        )
+
+    async def _pin(self, slot: str, version: int, lid: int) -> dict:
+        """Copy committed `version` of `slot` and load it as LoRA `lid` on every engine."""
         name = f"{slot}@{version}"
-        known = self.history[slot].get(version)
-        if known is None:
-            current = next(reversed(self.history[slot]))
-            raise LeaseError(
-                404,
-                f"version {version} of slot {slot!r} is not available: this server has not "
-                f"committed it (versions it remembers: {sorted(self.history[slot])}, current "
-                f"{slot}@{current})",
-            )
+        path, recorded = await self._version(slot, version)
         try:
-            self.art.updates.paths.check_files(known.path, trusted=True)
+            self.art.updates.paths.check_files(path, trusted=True)
         except PathRefused as exc:
             raise LeaseError(403, f"version {version} of slot {slot!r} is refused: {exc}") from exc
         try:
-            files = await asyncio.to_thread(read_adapter_files, known.path)
+            files = await asyncio.to_thread(read_adapter_files, path)
         except AdapterError as exc:
             raise LeaseError(
                 404, f"version {version} of slot {slot!r} is no longer available: {exc}"
             ) from exc
         digest = digest_bytes(files.config, files.weights)
-        if known.digest is not None and digest != known.digest:
+        if recorded and digest != recorded:
             raise LeaseError(
                 404,
                 f"version {version} of slot {slot!r} is no longer available: the adapter at "
-                f"{known.path} changed since it was committed (digest {known.digest}, now "
-                f"{digest})",
+                f"{path} changed since it was committed (digest {recorded}, now {digest})",
             )
-        in_use, max_loras, max_cpu = self._capacity()
+        in_use, max_loras, max_cpu = self._capacity(await self.book())
         if in_use + 1 > max_cpu:
             raise LeaseError(
                 429,
@@ -261,10 +224,16 @@ class LeaseManager:
             )
         copy_dir = self.copy_root() / f"{name}-{secrets.token_hex(4)}"
         await asyncio.to_thread(_write_copy, copy_dir, files.as_files())
-        lid = compat.next_lora_int_id(self.serving_models)
-        request = compat.lora_request(lora_name=name, lora_int_id=lid, lora_path=str(copy_dir))
+        copy = {
+            "name": name,
+            "slot": slot,
+            "version": version,
+            "lora_int_id": lid,
+            "path": str(copy_dir),
+            "digest": digest,
+        }
         try:
-            await self.engine_client.add_lora(request)
+            await self.engine_client.add_lora(_request(copy))
             # Pinned in the CPU cache only, not with `pin_lora` (which also holds a device
             # slot for good and breaks batches of `--max-loras` other adapters):
             # engine_core/lease_versions.py
@@ -273,15 +242,22 @@ class LeaseManager:
         except Exception as exc:
             # Torn down as a released copy is, so that a half-made one leaks no pinned slot.
             self.tearing_down += 1
-            await self._teardown(PinnedCopy(slot, version, lid, str(copy_dir), digest))
+            await self._teardown(copy)
             shutil.rmtree(copy_dir, ignore_errors=True)
             raise LeaseError(
                 500, f"the engine could not load lease {name}: {type(exc).__name__}: {exc}"
             ) from exc
-        copy = PinnedCopy(slot, version, lid, str(copy_dir), digest)
-        self.copies[name] = copy
-        self.serving_models.lora_requests[name] = request  # from now on `slot@N` resolves
         return copy
+
+    def _install(self, copy: dict) -> None:
+        """From now on `slot@N` resolves here to the copy's LoRA."""
+        self.serving_models.lora_requests[copy["name"]] = _request(copy)
+        self.installed.add(copy["name"])
+
+    def _uninstall(self, name: str) -> None:
+        if name in self.installed:
+            self.installed.discard(name)
+            self.serving_models.lora_requests.pop(name, None)  # no new requests
 
     def copy_root(self) -> Path:
         """The directory of the copies: made once, private to this server (mkdtemp: 0700),
@@ -300,31 +276,31 @@ class LeaseManager:
     # --- release --------------------------------------------------------------------------
     async def release(self, lease_id: str, why: str = "released") -> dict[str, Any]:
         async with self._lock:
-            lease = self.leases.pop(lease_id, None)
-            if lease is None:
+            released = await self._engine0("art_lease_release", lease_id)
+            if released is None:
                 raise LeaseError(404, f"unknown lease {lease_id!r} (released or expired?)")
-            copy = lease.copy
-            copy.leases.discard(lease_id)
-            last = not copy.leases
-            if last:
-                self.copies.pop(copy.name, None)
-                self.serving_models.lora_requests.pop(copy.name, None)  # no new requests
+            lease, last = released["lease"], released["last_copy"]
+            copy = last or self.art.slots.lease_book["copies"].get(lease["name"], {})
+            if last is not None:
+                self._uninstall(last["name"])
                 self.tearing_down += 1
-                task = asyncio.ensure_future(self._teardown(copy))
+                task = asyncio.ensure_future(self._teardown(last))
                 self._teardowns.add(task)
                 task.add_done_callback(self._teardowns.discard)
-        logger.info("art lease %s (%s) %s", lease_id, copy.name, why)
-        return {**lease.public(), "released": why, "copy_removed": last}
+            await self.art.slots.refresh(force=True)
+        logger.info("art lease %s (%s) %s", lease_id, lease["name"], why)
+        return {**public(lease, copy), "released": why, "copy_removed": last is not None}
 
-    async def _teardown(self, copy: PinnedCopy) -> None:
+    async def _teardown(self, copy: dict) -> None:
         """Unlabel the copy's LoRA on every engine once no request uses it (they finish on
         it), then remove it, which drops its pin in the workers' CPU LoRA cache. A failure to
         unlabel does not skip the removal (see the module docstring)."""
+        name, lid = copy["name"], copy["lora_int_id"]
         for _, identity in compat.engine_targets(self.engine_client):
             try:
                 while True:
                     res = await compat.call_engine_utility_on(
-                        self.engine_client, identity, "art_lease_unpin", copy.lora_int_id
+                        self.engine_client, identity, "art_lease_unpin", lid
                     )
                     if res["ok"]:
                         break
@@ -333,30 +309,30 @@ class LeaseManager:
                 logger.exception(
                     "art lease copy %s: engine %r could not drop its label; removing the LoRA "
                     "anyway",
-                    copy.name,
+                    name,
                     identity,
                 )
         for attempt in range(1, _REMOVE_TRIES + 1):
             try:
-                await self.engine_client.remove_lora(copy.lora_int_id)
+                await self.engine_client.remove_lora(lid)
             except Exception:
                 logger.exception(
                     "art lease copy %s: removing LoRA %d failed (attempt %d of %d)",
-                    copy.name,
-                    copy.lora_int_id,
+                    name,
+                    lid,
                     attempt,
                     _REMOVE_TRIES,
                 )
                 await asyncio.sleep(_REMOVE_RETRY_S)
                 continue
             self.tearing_down -= 1
-            shutil.rmtree(copy.path, ignore_errors=True)
+            shutil.rmtree(copy["path"], ignore_errors=True)
             return
         logger.error(
             "art lease copy %s: LoRA %d could not be removed; it keeps its CPU cache slot and "
             "counts against capacity until the server restarts",
-            copy.name,
-            copy.lora_int_id,
+            name,
+            lid,
         )
 
     def _start_reaper(self) -> None:
@@ -364,33 +340,65 @@ class LeaseManager:
             self._reaper = asyncio.ensure_future(self._reap())
 
     async def _reap(self) -> None:
-        while self.leases:
+        """Release expired leases, whichever API server made them, while any is left (every
+        API server that made a lease runs this; a lease is released once: engine 0 says who
+        tears its copy down)."""
+        while leases := list((await self.book())["leases"].values()):
             now = time.time()
-            for lease in sorted(self.leases.values(), key=lambda x: x.expires_at):
-                if lease.expires_at > now:
+            for lease in sorted(leases, key=lambda x: x["expires_at"]):
+                if lease["expires_at"] > now:
                     break
                 with contextlib.suppress(LeaseError):
-                    await self.release(lease.id, why="expired")
-            soonest = min((x.expires_at for x in self.leases.values()), default=now + 1.0)
+                    await self.release(lease["id"], why="expired")
+            soonest = min(x["expires_at"] for x in leases)
             await asyncio.sleep(min(max(soonest - time.time(), 0.01), 1.0))
 
     # --- reading --------------------------------------------------------------------------
     def list(self) -> list[dict[str, Any]]:
-        return [x.public() for x in sorted(self.leases.values(), key=lambda x: x.created_at)]
-
-    def by_slot(self) -> dict[str, list[dict[str, Any]]]:
-        out: dict[str, list[dict[str, Any]]] = {}
-        for lease in self.list():
-            out.setdefault(lease["slot"], []).append(lease)
-        return out
+        """The leases as this API server last read them (`book()` reads them anew)."""
+        return leases_of(self.art.slots.lease_book)
 
     def alias_for(self, model: str | None) -> Alias | None:
-        copy = self.copies.get(model or "")
+        """The lease copy `model` names, per the registry copy this API server last read; a
+        copy made through another API server is installed here on first use, one released
+        elsewhere is dropped here."""
+        copy = self.art.slots.lease_book["copies"].get(model or "")
         if copy is None:
+            if model in self.installed:
+                self._uninstall(model)
             return None
+        if model not in self.installed:
+            self._install(copy)
         # `slot` is the model name the request keeps (the lease's LoRA); `check_choices` then
         # refuses a response with any token not labelled `version`.
-        return Alias(copy.name, copy.version)
+        return Alias(copy["name"], copy["version"])
+
+
+def _request(copy: dict):
+    return compat.lora_request(
+        lora_name=copy["name"], lora_int_id=copy["lora_int_id"], lora_path=copy["path"]
+    )
+
+
+def public(lease: dict, copy: dict) -> dict[str, Any]:
+    """A lease as the routes answer it."""
+    return {
+        "id": lease["id"],
+        "slot": copy.get("slot"),
+        "version": copy.get("version"),
+        "model": lease["name"],
+        "lora_int_id": copy.get("lora_int_id"),
+        "digest": copy.get("digest"),
+        "ttl_s": lease["ttl_s"],
+        "created_at": lease["created_at"],
+        "expires_at": lease["expires_at"],
+    }
+
+
+def leases_of(book: dict) -> list[dict[str, Any]]:
+    copies = book["copies"]
+    leases = sorted(book["leases"].values(), key=lambda x: x["created_at"])
+    return [public(x, copies.get(x["name"], {})) for x in leases]
 
 
 def _write_copy(copy_dir: Path, files: dict[str, bytes]) -> None:
@@ -404,7 +412,9 @@ def _write_copy(copy_dir: Path, files: dict[str, bytes]) -> None:
             f.write(data)
 
 
-def with_leases(manager: LeaseManager | None, slots: list[dict]) -> list[dict]:
-    """`/art/v1/slots`: each slot entry gets its `leases` (none before any lease route ran)."""
-    held = manager.by_slot() if manager is not None else {}
+def with_leases(book: dict, slots: list[dict]) -> list[dict]:
+    """`/art/v1/slots`: each slot entry gets its `leases`, every API server's."""
+    held: dict[str, list[dict]] = {}
+    for lease in leases_of(book):
+        held.setdefault(lease["slot"], []).append(lease)
     return [{**s, "leases": held.get(s["slot"], [])} for s in slots]

@@ -52,7 +52,8 @@ async def engine_state(request: Request, engine: int = 0):
 async def slots(request: Request) -> list[dict]:
     """Read from EngineCore: the same on every API server (and every DP engine)."""
     art = request.app.state.art
-    return leases.with_leases(art.existing_leases, await art.slots.list())
+    listed = await art.slots.list()  # engine 0's registry: its lease book too
+    return leases.with_leases(art.slots.lease_book, listed)
 
 
 @router.post("/v1/lora/update")
@@ -64,8 +65,6 @@ async def lora_update(request: Request):
     art = request.app.state.art
     push = adapter_push.is_push(request.headers.get("content-type"))
     pushed = None
-    if push:  # nothing may await between receiving a push and handing it to the update
-        await art.leases.observe()  # exact leases: remember committed versions
     try:
         if push:
             pushed = await adapter_push.receive(
@@ -81,14 +80,10 @@ async def lora_update(request: Request):
     except UpdateError as exc:
         art.updates.failed_unattributed += 1
         return _error(exc.status, exc.message)
-    if not push:
-        await art.leases.observe()
     try:
-        result = await art.updates.update(update, pushed)  # owns `pushed` from here on
+        return await art.updates.update(update, pushed)  # owns `pushed` from here on
     except UpdateError as exc:
         return _error(exc.status, exc.message)
-    await art.leases.observe()
-    return result
 
 
 #: Faults the test hook arms: a commit that fails after its writes (restored), a staging that

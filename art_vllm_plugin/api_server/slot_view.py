@@ -76,6 +76,8 @@ class SlotView:
         self.local: dict[str, LocalSlot] = {}
         #: The registry as last read from engine 0 (`refresh()`).
         self.slots: dict[str, Slot] = {}
+        #: Every API server's exact leases, from the same read (`engine_core/lease_book.py`).
+        self.lease_book: dict = {"copies": {}, "leases": {}}
         #: LoRA modules that cannot be updated in flight: name -> why (e.g. a hub id).
         self.refused: dict[str, str] = {}
         self._registered = False
@@ -132,6 +134,7 @@ class SlotView:
         self._registered = True
 
     def _apply(self, snapshot: dict) -> None:
+        self.lease_book = snapshot.get("leases") or {"copies": {}, "leases": {}}
         for name, rec in snapshot["slots"].items():
             if name not in self.local:
                 continue  # registered by an API server with other --lora-modules: not ours

@@ -129,10 +129,6 @@ class ApiServerState:
             self._leases = LeaseManager(self, self.serving_models)
         return self._leases
 
-    @property
-    def existing_leases(self) -> LeaseManager | None:
-        return self._leases
-
     async def follow_engines(self) -> None:
         """Several API servers: have every engine push its figures here from now on (once).
 
@@ -168,7 +164,7 @@ class ApiServerState:
     def resolve_alias(self, model: str | None) -> aliases.Alias | None:
         """The alias `model` names: a leased `slot@N` first, then a slot's current version;
         raises `AliasRefused` for an alias of a slot that is not at that version."""
-        leased = self._leases.alias_for(model) if self._leases is not None else None
+        leased = self.leases.alias_for(model)  # any API server's lease (engine 0's book)
         if leased is not None:
             return leased
         return aliases.resolve(model, self.slots.slots)

@@ -135,6 +135,13 @@ RELAYED_STAGE_UTILITIES = adds(
     by="engine_core.relayed_stages",
     why="utility calls that stage an update from bytes sent in the call (engines on other hosts)",
 )
+LEASE_RECORD_UTILITIES = adds(
+    _ENGINE,
+    "EngineCore",
+    ("art_lease_version", "art_lease_begin", "art_lease_add", "art_lease_release"),
+    by="engine_core.lease_records",
+    why="utility calls that keep every API server's exact leases in engine 0's registry",
+)
 LEASE_UTILITIES = adds(
     _ENGINE,
     "EngineCore",

@@ -32,10 +32,13 @@ import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
+from art_vllm_plugin.engine_core.lease_book import LeaseBook
 from art_vllm_plugin.engine_core.version_digests import VersionDigests
 
 #: `operation_id`s remembered per slot (the oldest is forgotten first).
 OPERATIONS_PER_SLOT = 512
+#: Committed versions remembered per slot for leases (the oldest is forgotten first).
+HISTORY_PER_SLOT = 64
 #: A reservation older than this belongs to an API server that died mid-update.
 RESERVATION_TTL_S = 900.0
 
@@ -73,6 +76,11 @@ class SlotRegistry:
     blocked: dict[str, str] = field(default_factory=dict)
     #: each committed version's digest, per slot
     digests: VersionDigests = field(default_factory=VersionDigests)
+    #: slot -> version -> (path, digest) of its last `HISTORY_PER_SLOT` committed versions:
+    #: what a lease of an older version copies (`api_server/leases.py`)
+    history: dict[str, OrderedDict] = field(default_factory=dict)
+    #: the exact leases of every API server (engine 0's book is the one used)
+    leases: LeaseBook = field(default_factory=LeaseBook)
     #: bumped on every change a reader could see
     generation: int = 0
 
@@ -91,6 +99,7 @@ class SlotRegistry:
                     updated_at=now,
                 )
                 self.operations[s["name"]] = OrderedDict()
+                self._remember(s["name"], 0, s["path"], s["digest"])
                 self.generation += 1
 
     def snapshot(self) -> dict:
@@ -100,7 +109,21 @@ class SlotRegistry:
                 name: {**asdict(rec), "blocked": self.blocked.get(name)}
                 for name, rec in self.slots.items()
             },
+            "leases": self.leases.snapshot(),
         }
+
+    def _remember(self, slot: str, version: int, path: str, digest: str) -> None:
+        known = self.history.setdefault(slot, OrderedDict())
+        known[version] = (path, digest)
+        while len(known) > HISTORY_PER_SLOT:
+            known.popitem(last=False)
+
+    def committed(self, slot: str, version: int) -> tuple[str, str] | None:
+        """(path, digest) of `version` of `slot` if it was committed and is remembered."""
+        return self.history.get(slot, {}).get(version)
+
+    def remembered(self, slot: str) -> list[int]:
+        return sorted(self.history.get(slot, {}))
 
     def version(self, slot: str) -> int:
         rec = self.slots.get(slot)
@@ -182,11 +205,15 @@ class SlotRegistry:
         rec.version, rec.path, rec.digest = version, path, digest
         rec.updated_at = time.time()
         rec.updates += 1
+        self._remember(slot, version, path, digest)
         self.generation += 1
         return previous
 
     def revert(self, previous: SlotRecord) -> None:
         """Put back the record a commit replaced; the version's digest binding stays."""
+        reverted = self.slots.get(previous.name)
+        if reverted is not None and reverted.version != previous.version:
+            self.history.get(previous.name, {}).pop(reverted.version, None)  # never served
         self.slots[previous.name] = previous
         self.generation += 1
 

@@ -191,6 +191,7 @@ def _dp2(p: KindPaths):
         (
             *tiny_lora_args(max_loras=2),
             *("--data-parallel-size", "2"),
+            *("--max-cpu-loras", "3"),  # slots policy and ref_b, and one lease copy
             *_modules(_dp2_slots(p)),
             *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
             *OPEN,

@@ -11,7 +11,9 @@ worker, and by default two API-server processes) runs on this CPU host, so these
 - an update left unknown on one engine blocks the slot on both (503 through both API servers)
   until a clean update;
 - both API servers answer `/art/v1/slots` identically and validate aliases the same way right
-  after an update returned through the other one; replay and compare-and-swap hold across them.
+  after an update returned through the other one; replay and compare-and-swap hold across them;
+- an exact lease made through one API server serves, lists and releases through the other
+  (leases live in engine 0's registry).
 
 Which API server answers is the kernel's choice (they share one listening socket), so the
 tests open persistent connections until they hold one to each (`api_server_clients`).
@@ -341,3 +343,48 @@ def test_an_update_left_unknown_blocks_the_slot_on_every_engine_until_a_clean_up
         assert slots(client)["policy"]["blocked"] is None
         resp = client.post("/v1/completions", json={**body, "model": "policy"})
         assert resp.status_code == 200, resp.text
+
+
+def test_a_lease_made_through_one_api_server_serves_and_releases_through_the_other(
+    server, api_servers, tiny_adapters, refs
+):
+    """Version v (adapter b) leased through API server a, the slot moved on to adapter a:
+    through b, which never saw the lease made, `policy@v` serves b's tokens labelled v, the
+    lease is listed, and released; then neither API server serves `policy@v`."""
+    a, b = api_servers
+    v = version(a) + 1
+    assert (
+        post_update(a, slot="policy", path=str(tiny_adapters / "b"), version=v).status_code == 200
+    )
+    made = a.post("/art/v1/leases", json={"slot": "policy", "version": v, "ttl_s": 300})
+    assert made.status_code == 200, made.text
+    lease = made.json()
+    assert lease["model"] == f"policy@{v}"
+    moved = post_update(a, slot="policy", path=str(tiny_adapters / "a"), version=v + 1)
+    assert moved.status_code == 200, moved.text
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "model": f"policy@{v}",
+    }
+    for client in (b, a):
+        for _ in range(2):  # vLLM balances new requests over the engines
+            resp = client.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            choice = resp.json()["choices"][0]
+            assert choice["token_ids"] == refs["b"]
+            assert {s["version"] for s in choice["policy_spans"]} == {v}
+    assert [x["id"] for x in b.get("/art/v1/leases").json()] == [lease["id"]]
+    assert [x["id"] for x in slots(b)["policy"]["leases"]] == [lease["id"]]
+    gone = b.delete(f"/art/v1/leases/{lease['id']}")
+    assert gone.status_code == 200 and gone.json()["copy_removed"] is True, gone.text
+    for client in (a, b):
+        # a drops the copy when it next reads the registry (engine 0 pushes the new
+        # generation at once; listing the leases reads it here without waiting for that)
+        assert client.get("/art/v1/leases").json() == []
+        refused = client.post("/v1/completions", json=body)
+        assert refused.status_code == 409, refused.text
+    assert complete(server.url, "policy")["token_ids"] == refs["a"]
