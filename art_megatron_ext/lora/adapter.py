@@ -40,6 +40,12 @@ class LoraAdapter(torch.nn.Module):
         if b_zero_mask is not None:
             self.b.lora_zero_mask = b_zero_mask.to(self.b.device)
 
+    def forward(self) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+        """`(a, b)` themselves (no copy). Sites read the factors by calling the adapter so that
+        its forward pre-hooks run first: under Megatron DDP with `overlap_param_gather` that
+        hook waits for the all-gather bringing the other DP ranks' shards (`param_sync`)."""
+        return self.a, self.b
+
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank

@@ -19,6 +19,7 @@ import torch
 
 from .hf_layout import PEFT_PREFIX, HfNaming, hf_modules, split_fused_b
 from .padding import logical_view
+from .param_sync import finish_lora_param_sync
 from .site import LoraSite
 from .sites import iter_lora_sites
 
@@ -99,11 +100,15 @@ def collect_peft_tensors(
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """(HF key -> tensor, {"r": ..., "lora_alpha": ...}) for `slot`; collective.
 
-    The tensors are gathered to global rank `dst` only (the other ranks get an empty dict, and
+    Finishes a pending Megatron parameter all-gather of the LoRA parameters first
+    (`finish_lora_param_sync`), so an export right after an optimizer step under
+    `overlap_param_gather` reads the updated adapter. The tensors are gathered to global
+    rank `dst` only (the other ranks get an empty dict, and
     never hold another rank's pieces), or to every rank with `dst=None`. The (rank, alpha)
     check runs on every rank, so all of them raise the same error."""
     naming = naming or HfNaming()
     everywhere = dst is None
+    finish_lora_param_sync(model)  # a step's all-gather may still wait for the next forward
     tensors: dict[str, torch.Tensor] = {}
     shapes: set[tuple[int, float]] = set()
     for entry in iter_lora_sites(model):

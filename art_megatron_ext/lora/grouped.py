@@ -27,6 +27,7 @@ from art_megatron_ext.ops import grouped_gemm
 from .adapter import LoraAdapter
 from .layer_position import group_size_rank, layer_number, local_expert_offset
 from .padding import round_up
+from .param_sync import finish_slots_param_sync, lora_factors
 from .site import LoraSite, SiteInfo, kaiming_a, seeded_generator
 
 GROUPED_COLUMN = "grouped_column"
@@ -148,7 +149,7 @@ class GroupedLoraSite(LoraSite):
     ) -> torch.Tensor:
         from megatron.core import tensor_parallel as tp
 
-        a, b = adapter.a, adapter.b
+        a, b = lora_factors(adapter)  # runs the adapter's pre-hooks (Megatron's param sync)
         if self.info.explicit_expert_comm:
             if self.info.kind == GROUPED_COLUMN:
                 a = tp.copy_to_tensor_model_parallel_region(a, group=self.tp_group)
@@ -168,10 +169,12 @@ class GroupedLoraSite(LoraSite):
         size) and, for a gated FC1, as its gate and up halves (each rank holds [gate shard;
         up shard]; the checkpoint holds [all gate; all up], as Megatron's swiglu factory
         does for the FC1 weight). So a checkpoint reloads at any expert-parallel and
-        expert-TP size with the same rank padding."""
+        expert-TP size with the same rank padding. The slots' pending Megatron parameter
+        all-gather is finished first (see `param_sync`)."""
         from megatron.core import parallel_state
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+        finish_slots_param_sync(self.slots.values())  # a step's all-gather may be pending
         i = self.info
         prepend = len(sharded_offsets)
         column = i.kind == GROUPED_COLUMN

@@ -40,6 +40,7 @@ from .active_slot import NO_CHOICE, current_choice
 from .adapter import LoraAdapter
 from .config import DEFAULT_SLOT, LoraPadding
 from .padding import round_up
+from .param_sync import finish_slots_param_sync, lora_factors
 
 COLUMN = "column"
 ROW = "row"
@@ -153,9 +154,9 @@ class LoraSite(torch.nn.Module):
 
         `parts` > 1: `a` stacks one A per fused part and `b` is block-diagonal (see
         `LoraAdapter`); its off-block entries must be 0. Overwriting keeps the same Parameter
-        objects when the shapes are unchanged, so an optimizer holding them keeps working.
-        Raises `SlotHasLiveGradients` if the slot still holds gradients (the slot is left as
-        it was).
+        objects when the shapes are unchanged, so an optimizer holding them keeps working; a
+        frozen slot (see `slot_training`) stays frozen either way. Raises
+        `SlotHasLiveGradients` if the slot still holds gradients (the slot is left as it was).
         """
         stacked = int(a.shape[-2])
         want_a, want_b = self.logical_shapes(stacked)
@@ -192,6 +193,9 @@ class LoraSite(torch.nn.Module):
         adapter = LoraAdapter(
             a, b, rank=rank, alpha=alpha, a_padded=pa, b_padded=pb, parts=parts, b_zero_mask=mask
         )
+        if old is not None and not old.a.requires_grad:  # a frozen slot stays frozen
+            adapter.a.requires_grad_(False)
+            adapter.b.requires_grad_(False)
         self._tag_parallel_attributes(adapter)
         self.slots[name] = adapter
         return adapter
@@ -237,12 +241,14 @@ class LoraSite(torch.nn.Module):
     # ---- Megatron distributed checkpointing ----------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """Dist-checkpoint entries: the TP-split factor sharded on the base weight's axis, the
-        replicated one replicated (Megatron's `make_sharded_tensors_for_checkpoint`); a gated
+        replicated one replicated (Megatron's `make_sharded_tensors_for_checkpoint`), after
+        the slots' pending Megatron parameter all-gather (see `param_sync`); a gated
         FC1's B split into its gate and up halves like the FC1 weight, so the checkpoint holds
         [gate; up] in full and reloads at another TP size."""
         from megatron.core import parallel_state
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+        finish_slots_param_sync(self.slots.values())  # a step's all-gather may be pending
         column = self.info.kind == COLUMN
         split, axis = ("b", 0) if column else ("a", 1)
         axis_map = {f"slots.{name}.{split}": axis for name in self.slots}
@@ -294,7 +300,7 @@ class LoraSite(torch.nn.Module):
         from megatron.core import tensor_parallel as tp
 
         i, g = self.info, self.tp_group
-        a, b = adapter.a, adapter.b
+        a, b = lora_factors(adapter)  # runs the adapter's pre-hooks (Megatron's param sync)
         x = x.to(a.dtype)
         if i.kind == COLUMN:
             if i.explicit_expert_comm:
