@@ -28,14 +28,13 @@ from pathlib import Path
 import httpx
 import pytest
 from support.adapters import copy_adapter
+from support.greedy import greedy_tokens as tokens
 
 from art_protocol.client import ArtClient, ArtError
 from art_protocol.digest import digest_dir
 from art_vllm_plugin import serve_process
 
 pytestmark = pytest.mark.serve
-
-PROMPT = "the policy model learns from the reward and the trainer sends"
 
 
 class TwoHosts:
@@ -130,23 +129,6 @@ def _start_headless(config: serve_process.ServeConfig) -> serve_process.ServerPr
             start_new_session=True,
         )
     return serve_process.ServerProcess(config, 0, proc, config.log_path)
-
-
-def tokens(url: str, model: str) -> list[int]:
-    resp = httpx.post(
-        url + "/v1/completions",
-        json={
-            "model": model,
-            "prompt": PROMPT,
-            "max_tokens": 8,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        },
-        timeout=300,
-    )
-    assert resp.status_code == 200, resp.text
-    return resp.json()["choices"][0]["token_ids"]
 
 
 def engine_versions(url: str, name: str = "policy") -> dict[int, int]:

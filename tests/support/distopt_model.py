@@ -74,3 +74,32 @@ def train_step(ddp, optimizer, step: int, rows: slice) -> None:
     zero_lora_padding_(ddp.module)
     ok, _, _ = optimizer.step()
     assert ok
+
+
+def wrap_overlapped(model, overlap: bool, bucket_size: int, weight_decay: float):
+    """(DDP wrapper, Megatron DistributedOptimizer) for `model` with `overlap_grad_reduce` and
+    `overlap_param_gather` both `overlap`, and buckets of `bucket_size` elements (small ones
+    spread LoRA over several bucket groups). Adam, lr 0.05, no clipping, fp32 grad reduce."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
+        grad_reduce_in_fp32=True,
+        bucket_size=bucket_size,
+    )
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=0.05,
+            weight_decay=weight_decay,
+            clip_grad=0.0,
+            use_distributed_optimizer=True,
+            overlap_param_gather=overlap,
+        ),
+        [ddp],
+    )
+    return ddp, optimizer

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from support.dist import run_ranks
-from support.distopt_model import SEQ, SHAPE, global_batch
+from support.distopt_model import SEQ, SHAPE, global_batch, wrap_overlapped
 
 
 def _snapshot(model, slot: str) -> dict:
@@ -64,11 +64,8 @@ def _build(declare: bool, out: dict):
 
 def _train(rank: int, overlap: bool, declare: bool, steps: int) -> dict:
     from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from art_megatron_ext import compat
@@ -94,25 +91,7 @@ def _train(rank: int, overlap: bool, declare: bool, steps: int) -> dict:
     out["ref_before"] = _snapshot(model, "ref")
     out["policy_before"] = _snapshot(model, "policy")
     out["ref_loss_before"] = ref_loss()
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True,
-        overlap_grad_reduce=overlap,
-        overlap_param_gather=overlap,
-        grad_reduce_in_fp32=True,
-        bucket_size=1200,
-    )
-    ddp = DistributedDataParallel(model.config, ddp_config, model)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=0.05,
-            weight_decay=0.1,
-            clip_grad=0.0,
-            use_distributed_optimizer=True,
-            overlap_param_gather=overlap,
-        ),
-        [ddp],
-    )
+    ddp, optimizer = wrap_overlapped(model, overlap, 1200, weight_decay=0.1)
     if declare:
         apply_slot_training(model, SlotTraining(trained=("policy",), frozen=("ref",)))  # no-op
         try:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from support.dist import run_ranks
-from support.distopt_model import SEQ, SHAPE, global_batch
+from support.distopt_model import SEQ, SHAPE, global_batch, wrap_overlapped
 
 STEPS = 4
 BUCKET_SIZE = 1200  # elements: the 16 LoRA tensors (512-768 each) fill several buckets
@@ -28,11 +28,8 @@ BUCKET_SIZE = 1200  # elements: the 16 LoRA tensors (512-768 each) fill several 
 
 def _train(rank: int, overlap: bool, export_dir: Path) -> dict:
     from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from art_megatron_ext.lora import LoraConfig, attach_lora, export_peft, iter_lora_sites
@@ -42,25 +39,7 @@ def _train(rank: int, overlap: bool, export_dir: Path) -> dict:
     torch.manual_seed(0)
     model = build_gpt(GptShape(**SHAPE))
     attach_lora(model, LoraConfig(rank=8, alpha=16.0))
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True,
-        overlap_grad_reduce=overlap,
-        overlap_param_gather=overlap,
-        grad_reduce_in_fp32=True,
-        bucket_size=BUCKET_SIZE,
-    )
-    ddp = DistributedDataParallel(model.config, ddp_config, model)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=0.05,
-            weight_decay=0.0,
-            clip_grad=0.0,
-            use_distributed_optimizer=True,
-            overlap_param_gather=overlap,
-        ),
-        [ddp],
-    )
+    ddp, optimizer = wrap_overlapped(model, overlap, BUCKET_SIZE, weight_decay=0.0)
     model.config.finalize_model_grads_func = finalize_model_grads
     model.config.no_sync_func = ddp.no_sync
     mask = causal_mask(SEQ)

@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support.adapters import copy_adapter
+from support.greedy import greedy_tokens as tokens
 from support.stages import end, stage_left_by
 
 from art_protocol.client import ArtClient, ArtError, Fleet
@@ -39,7 +40,6 @@ from art_vllm_plugin import serve_process, staging
 
 pytestmark = pytest.mark.serve
 
-PROMPT = "the policy model learns from the reward and the trainer sends"
 #: The budget server's `--art-max-adapter-bytes` (a tiny adapter is about 136 KB).
 LIMIT = 256 * 1024
 #: Its staging tmpfs: smaller than one adapter, or room for several.
@@ -130,23 +130,6 @@ def budget(tiny_model, tiny_adapters, tmp_path_factory, server_log):
 def lora(lora_server):
     """The shared plain plugin server (`lora` in tests/support/server_kinds.py)."""
     return lora_server
-
-
-def tokens(url: str, model: str = "policy") -> list[int]:
-    resp = httpx.post(
-        url + "/v1/completions",
-        json={
-            "model": model,
-            "prompt": PROMPT,
-            "max_tokens": 8,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        },
-        timeout=300,
-    )
-    assert resp.status_code == 200, resp.text
-    return resp.json()["choices"][0]["token_ids"]
 
 
 def slot(url: str, name: str = "policy") -> dict:

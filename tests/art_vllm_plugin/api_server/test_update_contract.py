@@ -14,10 +14,9 @@ import itertools
 import httpx
 import pytest
 from support.adapters import copy_adapter
+from support.greedy import greedy_tokens
 
 from art_protocol.digest import digest_dir
-
-PROMPT = "the policy model learns from the reward and the trainer sends"
 
 
 @pytest.fixture(scope="module")
@@ -51,23 +50,6 @@ def slot(server) -> dict:
 
 def engine_updates(server) -> int:
     return httpx.get(server.url + "/art/v1/engine", timeout=60).json()["updates"]
-
-
-def tokens(server) -> list[int]:
-    resp = httpx.post(
-        server.url + "/v1/completions",
-        json={
-            "model": "policy",
-            "prompt": PROMPT,
-            "max_tokens": 8,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        },
-        timeout=300,
-    )
-    assert resp.status_code == 200, resp.text
-    return resp.json()["choices"][0]["token_ids"]
 
 
 def test_slots_carry_the_start_adapters_digest(server, tiny_adapters):
@@ -173,7 +155,7 @@ def test_two_clients_racing_with_the_same_expected_version_exactly_one_wins(serv
 
 
 def test_digest_mismatch_is_422_and_changes_nothing(server, tiny_adapters, scratch):
-    before, before_tokens = slot(server), tokens(server)
+    before, before_tokens = slot(server), greedy_tokens(server.url)
     torn = copy_adapter(tiny_adapters / "b", scratch / "torn")
     claimed = digest_dir(tiny_adapters / "b")
     weights = torn / "adapter_model.safetensors"
@@ -194,7 +176,7 @@ def test_digest_mismatch_is_422_and_changes_nothing(server, tiny_adapters, scrat
     assert "digest mismatch" in msg and claimed in msg and digest_dir(torn) in msg
     assert slot(server) == before
     assert engine_updates(server) == commits
-    assert tokens(server) == before_tokens
+    assert greedy_tokens(server.url) == before_tokens
     good = update(
         server,
         slot="policy",

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from support.adapters import copy_adapter, edit_config
+from support.greedy import PROMPT, greedy_tokens
 from support.step_hold import update_while_stepping
 
 from art_protocol.client import ArtClient, ArtError, validate_spans
@@ -27,8 +28,6 @@ from art_vllm_plugin.adapters import (
     read_signature,
     validate_adapter,
 )
-
-PROMPT = "the policy model learns from the reward and the trainer sends"
 
 
 def test_update_tensor_dtype_must_match_the_slots_tensor(tiny_adapters, tmp_path):
@@ -79,23 +78,6 @@ def art(server):
         yield client
 
 
-def tokens(server, model="policy") -> list[int]:
-    resp = httpx.post(
-        server.url + "/v1/completions",
-        json={
-            "model": model,
-            "prompt": PROMPT,
-            "max_tokens": 8,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        },
-        timeout=300,
-    )
-    assert resp.status_code == 200, resp.text
-    return resp.json()["choices"][0]["token_ids"]
-
-
 def _version(art) -> int:
     return {s["slot"]: s["version"] for s in art.slots()}["policy"]
 
@@ -104,8 +86,8 @@ def _version(art) -> int:
 def test_a_commit_failing_on_one_worker_restores_every_worker_and_is_500(
     server, art, tiny_adapters, rank
 ):
-    before_version, before = _version(art), tokens(server)
-    assert before != tokens(server, "ref_b")
+    before_version, before = _version(art), greedy_tokens(server.url)
+    assert before != greedy_tokens(server.url, "ref_b")
     armed = httpx.post(
         server.url + "/art/v1/test/fault", json={"kind": "commit", "rank": rank}, timeout=60
     )
@@ -117,16 +99,16 @@ def test_a_commit_failing_on_one_worker_restores_every_worker_and_is_500(
     assert "every worker restored its previous weights" in err.value.message
     assert f"keeps serving version {before_version}" in err.value.message
     assert _version(art) == before_version
-    assert tokens(server) == before, "a worker kept the new weights"
+    assert greedy_tokens(server.url) == before, "a worker kept the new weights"
     engine = httpx.get(server.url + "/art/v1/engine", timeout=60).json()
     assert engine["failed_commits"] >= 1
     # The engine is fine: the same update then commits on both workers.
     assert art.update("policy", tiny_adapters / "b", before_version + 1)["version"] == (
         before_version + 1
     )
-    assert tokens(server) == tokens(server, "ref_b")
+    assert greedy_tokens(server.url) == greedy_tokens(server.url, "ref_b")
     art.update("policy", tiny_adapters / "a", before_version + 2)
-    assert tokens(server) == before
+    assert greedy_tokens(server.url) == before
 
 
 def test_a_commit_riding_a_step_that_fails_on_one_rank_never_reaches_a_forward(
@@ -172,7 +154,7 @@ def test_a_commit_riding_a_step_that_fails_on_one_rank_never_reaches_a_forward(
     spans = validate_spans(choice, 160, latest_version=before_version)
     assert [(s["slot"], s["version"]) for s in spans] == [("policy", before_version)]
     assert _version(art) == before_version
-    assert tokens(server) == tokens(server, "policy")
+    assert greedy_tokens(server.url) == greedy_tokens(server.url, "policy")
 
 
 def test_an_adapter_the_workers_loader_refuses_is_422(server, art, tiny_adapters, scratch):
@@ -181,11 +163,11 @@ def test_an_adapter_the_workers_loader_refuses_is_422(server, art, tiny_adapters
 
     bad = edit_config(tiny_adapters / "b", scratch / "bias", bias)
     assert json.loads((bad / "adapter_config.json").read_text())["bias"] == "all"
-    before_version, before = _version(art), tokens(server)
+    before_version, before = _version(art), greedy_tokens(server.url)
     with pytest.raises(ArtError) as err:
         art.update("policy", bad, before_version + 1)
     assert err.value.status == 422
     assert "engine refused the adapter" in err.value.message
     assert "bias is not supported" in err.value.message
     assert f"keeps serving version {before_version}" in err.value.message
-    assert _version(art) == before_version and tokens(server) == before
+    assert _version(art) == before_version and greedy_tokens(server.url) == before
