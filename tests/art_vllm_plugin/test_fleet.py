@@ -12,6 +12,9 @@ it ended, so the test can say exactly which requests may fail: those to the kill
 that ended after the kill and were sent before its quarantine. Requests to the other
 replicas never fail; none goes to the killed replica while it is quarantined.
 
+Then a push (`publish(..., push=True)`) from a directory no replica may read reaches all three
+from one read, each staging in a directory of its own.
+
 Three servers at once (about 9 GiB here) is the point of this module: replica 0 is the shared
 plain plugin server (tests/support/server_kinds.py `lora`), replicas 1 and 2 are this
 module's own (`--max-num-seqs 4`), since replica 2 is killed and restarted.
@@ -54,6 +57,8 @@ def _worker_cpu(replica: int) -> str:
 
 
 def _config(tiny_model, tiny_adapters, log_path, replica: int) -> serve_process.ServeConfig:
+    staging = log_path.with_name(f"staging-{replica}")  # each replica stages in its own
+    staging.mkdir(exist_ok=True)
     return serve_process.ServeConfig(
         model=str(tiny_model),
         args=(
@@ -64,7 +69,7 @@ def _config(tiny_model, tiny_adapters, log_path, replica: int) -> serve_process.
             "--lora-modules",
             f"policy={tiny_adapters / 'a'}",
         ),
-        env={"VLLM_CPU_OMP_THREADS_BIND": _worker_cpu(replica)},
+        env={"VLLM_CPU_OMP_THREADS_BIND": _worker_cpu(replica), "ART_STAGING_DIR": str(staging)},
         log_path=log_path,
         # Three servers, traffic and a restart share 2 cores (and the other jobs of a shared
         # host): start-up has taken over 300 s here. A ceiling, not a timed assertion.
@@ -251,3 +256,27 @@ def test_fleet_publishes_quarantines_and_reconciles(replicas, tiny_adapters):
     assert not [r for r in sent if r.url == killed and r.sent_phase in ("quarantined", "restarted")]
     for url in others:
         assert any(r.url == url and r.sent_phase == "quarantined" for r in sent)
+
+
+def test_a_push_reaches_every_replica_from_one_read(replicas, tiny_adapters, tmp_path):
+    """The trainer's directory is on no replica's adapter root (as on another machine): the
+    fleet reads it once and pushes the same bytes, digest and operation id to all three, each
+    of which stages in its own directory (replica 0 in /dev/shm, 1 and 2 in their own
+    `ART_STAGING_DIR`) and leaves nothing there."""
+    urls = [s.url for s in replicas]
+    trainer = tmp_path / "trainer" / "policy-v"
+    trainer.mkdir(parents=True)
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (trainer / f).write_bytes((tiny_adapters / "b" / f).read_bytes())
+    version = max(_policy_version(url) for url in urls) + 1
+    with Fleet(urls, config=FleetConfig(retry=RETRY)) as fleet:
+        res = fleet.publish("policy", trainer, version, push=True)
+    assert res.ok, [r.error for r in res.failed]
+    digest = digest_dir(trainer)
+    for r in res.replicas:
+        assert r.response["operation_id"] == res.operation_id
+        assert (r.response["version"], r.response["digest"]) == (version, digest)
+        assert served_versions(r.url, version) == {version}
+    for replica in replicas[1:]:
+        staging = replica.config.env["ART_STAGING_DIR"]
+        assert os.listdir(staging) == [], f"a stage was left in {staging}"
