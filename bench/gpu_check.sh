@@ -47,7 +47,8 @@ START=$(date +%s)
 DEADLINE=$((START + BUDGET))
 VERDICTS=$OUT/verdicts.tsv
 STAGES=$OUT/stages.tsv
-GPU_TEST_PATHS=(tests/hybridep tests/art_megatron_ext/ops tests/art_vllm_plugin/worker/test_staged_copies.py)
+GPU_TEST_PATHS=(tests/hybridep tests/art_megatron_ext/ops tests/art_vllm_plugin/worker/test_staged_copies.py
+                tests/art_megatron_ext/packing/test_flex_tree_attention.py)
 
 STAGE_NAMES=(preflight build gpu-tests sync-check time-grouped-gemm time-hybridep async-provenance)
 declare -A LIMIT=([preflight]=60 [build]=200 [gpu-tests]=150 [sync-check]=45

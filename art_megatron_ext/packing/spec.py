@@ -36,6 +36,11 @@ from art_megatron_ext.compat import (
     megatron_module_base,
     megatron_packed_seq_params_class,
 )
+from art_megatron_ext.packing.flex_tree_attention import (
+    flex_tree_attention,
+    tree_attention_backend,
+    tree_block_mask,
+)
 from art_megatron_ext.packing.tree_attention import (
     TreeAttentionConfig,
     TreePlan,
@@ -56,14 +61,17 @@ class TreePackedSeqParams(_PackedSeqParams):
         subtree_end: `[rows, seq]` int, from `PackedBatch.subtree_end`.
         positions: `[rows, seq]` int64 position of each token in its trajectory
             (`PackedBatch.input_pos`); RoPE rotates by it.
-        attention: tile sizes of the kernel.
+        attention: tile sizes and backend of the kernel.
         plan: the block plan, built once here and shared by every layer.
+        block_mask: FlexAttention's `BlockMask` of the plan (the "flex" backend), built by
+            the first layer that needs it and shared by the others.
     """
 
     subtree_end: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     attention: TreeAttentionConfig = dataclasses.field(default_factory=TreeAttentionConfig)
     plan: TreePlan | None = None
+    block_mask: object = None
 
     def __post_init__(self) -> None:
         if self.subtree_end is None or self.positions is None:
@@ -172,15 +180,22 @@ class TreeCoreAttention(_MegatronModule):
                 f"packed_seq_params.subtree_end is {tuple(packed_seq_params.subtree_end.shape)}, "
                 f"but the attention input is {rows} rows x {seq} tokens"
             )
-        out = tree_attention(
-            query.permute(1, 2, 0, 3),
-            key.permute(1, 2, 0, 3),
-            value.permute(1, 2, 0, 3),
-            packed_seq_params.subtree_end,
-            scale=self.softmax_scale,
-            plan=packed_seq_params.plan,
-            config=packed_seq_params.attention,
-        )
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        params = packed_seq_params
+        if tree_attention_backend(params.attention.backend, query.device) == "flex":
+            if params.block_mask is None:
+                params.block_mask = tree_block_mask(params.subtree_end, params.plan, q.device)
+            out = flex_tree_attention(q, k, v, params.block_mask, scale=self.softmax_scale)
+        else:
+            out = tree_attention(
+                q,
+                k,
+                v,
+                params.subtree_end,
+                scale=self.softmax_scale,
+                plan=params.plan,
+                config=params.attention,
+            )
         return out.permute(2, 0, 1, 3).reshape(seq, rows, -1)
 
 

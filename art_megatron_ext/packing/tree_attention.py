@@ -20,8 +20,9 @@ below is plain PyTorch (matmuls on `[heads, block, keys]` tiles), runs on any de
 follows flash attention: the forward keeps an online softmax over key chunks and saves only
 the output and the log-sum-exp per query; the backward recomputes each tile from them. Neither
 pass stores anything of size S x S; the largest temporary is `heads x block x chunk`.
-Fully masked key blocks are never touched. On a GPU a fused kernel (FlexAttention with a
-`BlockMask` built from the same plan) would be faster; that backend is not implemented here.
+Fully masked key blocks are never touched. On a GPU the fused path is FlexAttention with a
+`BlockMask` built from the same plan (`flex_tree_attention.py`); this kernel stays the CPU
+path and the oracle.
 """
 
 from __future__ import annotations
@@ -31,18 +32,27 @@ from dataclasses import dataclass
 
 import torch
 
+#: Which kernel runs tree attention: "auto" (FlexAttention on CUDA, this module's tiled kernel
+#: elsewhere), "flex" (CUDA only: `flex_tree_attention.py`), "tiled" (this module).
+BACKENDS = ("auto", "flex", "tiled")
+
 
 @dataclass(frozen=True)
 class TreeAttentionConfig:
-    """Tile sizes. `block`: query and key block length of the plan (the skip granularity).
-    `chunk_keys`: most keys one tile holds (bounds the `heads x block x chunk_keys` scores)."""
+    """Tile sizes and backend. `block`: query and key block length of the plan (the skip
+    granularity; FlexAttention's block size too). `chunk_keys`: most keys one tile of the
+    tiled kernel holds (bounds the `heads x block x chunk_keys` scores). `backend`: one of
+    `BACKENDS`."""
 
     block: int = 128
     chunk_keys: int = 2048
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block < 1 or self.chunk_keys < self.block:
             raise ValueError(f"need block >= 1 and chunk_keys >= block, got {self}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"tree attention backend {self.backend!r}: expected one of {BACKENDS}")
 
 
 @dataclass(frozen=True)
