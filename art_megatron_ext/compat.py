@@ -444,3 +444,33 @@ def megatron_module_base():
     from megatron.core.transformer.module import MegatronModule
 
     return MegatronModule
+
+
+# --- LoRA padding in the distributed optimizer's live storage (art_megatron_ext/lora/padding.py)
+# `_get_main_param_and_optimizer_states` (0.19.2 distrib_optimizer.py, around line 1098) returns
+# live tensors except when `config.use_precision_aware_optimizer_no_fp8_or_ds_fp8` is set (and
+# the inner optimizer is not a `HybridDeviceOptimizer`): then each moment comes from
+# `get_unscaled_state`, a copy, and the fp32 master from the state key "master_param", so
+# zeroing what it returns changes nothing. The live tensors are the inner optimizer's state
+# of the sharded model parameter, found as Megatron finds it: `(group, order) =
+# model_param_group_index_map[model_param]`, `optimizer.optimizer.param_groups[group]
+# ["params"][order]`. Zero stays zero under any scale, so masking the scaled storage is exact.
+def distopt_precision_aware(optimizer) -> bool:
+    """True when this `DistributedOptimizer` hands back unscaled copies of its state."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    aware = getattr(optimizer.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
+    return bool(aware) and not isinstance(optimizer.optimizer, HybridDeviceOptimizer)
+
+
+def distopt_live_param_state(optimizer, model_param) -> dict:
+    """{name: live tensor} the optimizer keeps for this rank's shard of `model_param` (main
+    copy and moments, in their stored precision and scale); writes to them take effect."""
+    if not distopt_precision_aware(optimizer):
+        return distopt_get_param_state(optimizer, model_param)
+    import torch
+
+    group_index, group_order = optimizer.model_param_group_index_map[model_param]
+    shard = optimizer.optimizer.param_groups[group_index]["params"][group_order]
+    state = optimizer.optimizer.state[shard]
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}

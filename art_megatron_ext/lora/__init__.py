@@ -18,7 +18,13 @@ from .export import export_peft
 from .hf_layout import HfNaming
 from .param_sync import finish_lora_param_sync
 from .site import LoraSite, NoActiveSlot, SlotHasLiveGradients
-from .sites import LoraSiteSlot, iter_lora_sites, zero_lora_padding_
+from .sites import (
+    LoraPrecisionError,
+    LoraSiteSlot,
+    check_lora_optimizer_precision,
+    iter_lora_sites,
+    zero_lora_padding_,
+)
 from .slot_ops import add_slot, drop_slot, import_peft
 from .slot_training import SlotTraining, SlotTrainingAfterWrap, apply_slot_training, trained_slots
 from .slots import activate_slot
@@ -30,6 +36,7 @@ __all__ = [
     "HfNaming",
     "LoraConfig",
     "LoraPadding",
+    "LoraPrecisionError",
     "LoraSite",
     "LoraSiteSlot",
     "NoActiveSlot",
@@ -41,6 +48,7 @@ __all__ = [
     "add_slot",
     "apply_slot_training",
     "attach_lora",
+    "check_lora_optimizer_precision",
     "drop_slot",
     "export_peft",
     "finish_lora_param_sync",

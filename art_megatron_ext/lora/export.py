@@ -95,6 +95,16 @@ def _first_replica(info) -> bool:
         return True
 
 
+def _on_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same tensors in host memory (a blocking copy for device tensors; CPU ones as is).
+
+    Why: `gather_object` / `all_gather_object` pickle their payload, and a pickled CUDA
+    tensor records its device index; unpickling recreates it on that index of the receiving
+    process, which fails where each process sees one GPU and otherwise allocates on a peer's
+    GPU. So nothing reaches an object collective as a device tensor."""
+    return {key: value.detach().to("cpu") for key, value in tensors.items()}
+
+
 def collect_peft_tensors(
     model: torch.nn.Module, slot: str, naming: HfNaming | None = None, *, dst: int | None = 0
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -104,8 +114,9 @@ def collect_peft_tensors(
     (`finish_lora_param_sync`), so an export right after an optimizer step under
     `overlap_param_gather` reads the updated adapter. The tensors are gathered to global
     rank `dst` only (the other ranks get an empty dict, and
-    never hold another rank's pieces), or to every rank with `dst=None`. The (rank, alpha)
-    check runs on every rank, so all of them raise the same error."""
+    never hold another rank's pieces), or to every rank with `dst=None`; they are on the
+    host (see `_on_host`). The (rank, alpha) check runs on every rank, so all of them raise
+    the same error."""
     naming = naming or HfNaming()
     everywhere = dst is None
     finish_lora_param_sync(model)  # a step's all-gather may still wait for the next forward
@@ -116,7 +127,7 @@ def collect_peft_tensors(
             continue
         site_tensors = _site_tensors(entry.site, entry.adapter, naming, everywhere)  # TP coll.
         if _first_replica(entry.site.info):
-            tensors.update(site_tensors)
+            tensors.update(_on_host(site_tensors))
         shapes.add((entry.adapter.rank, entry.adapter.alpha))
     if _dist() and torch.distributed.get_world_size() > 1:
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()

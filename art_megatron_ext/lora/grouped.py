@@ -119,6 +119,25 @@ def grouped_linear(
     return grouped_gemm(x, weight.transpose(-2, -1), m_splits, backend=backend)
 
 
+def splits_on_device(m_splits, rows: int, groups: int, device) -> torch.Tensor:
+    """`m_splits` (tokens per local expert) as one int64 tensor on `device`.
+
+    Why: Megatron hands grouped linears `m_splits` as a host list, and the grouped GEMM op
+    turns a list into a device tensor on every call: a host-to-device copy, which waits for
+    the stream. A site runs two LoRA GEMMs per forward, so it converts once and hands both the
+    tensor. A host list is checked here, on the host (the op checks device counts only inside
+    the CUTLASS kernel, and the torch backend not at all)."""
+    if torch.is_tensor(m_splits):
+        return m_splits.to(device=device, dtype=torch.int64)  # no copy when already there
+    counts = [int(c) for c in m_splits]
+    if len(counts) != groups or min(counts, default=0) < 0 or sum(counts) != rows:
+        raise ValueError(
+            f"m_splits {counts} must hold {groups} non-negative token counts (one per local "
+            f"expert) summing to the {rows} input rows"
+        )
+    return torch.tensor(counts, dtype=torch.int64, device=device)
+
+
 class GroupedLoraSite(LoraSite):
     """LoRA for all local experts of one grouped linear; a slot is one [E, ...] A/B pair."""
 
@@ -155,8 +174,9 @@ class GroupedLoraSite(LoraSite):
                 a = tp.copy_to_tensor_model_parallel_region(a, group=self.tp_group)
             else:
                 b = tp.copy_to_tensor_model_parallel_region(b, group=self.tp_group)
-        h = grouped_linear(x.to(a.dtype), a, m_splits, backend) * adapter.scaling
-        return grouped_linear(h, b, m_splits, backend)[:, : self.info.out_local]
+        splits = splits_on_device(m_splits, x.shape[0], self.info.num_local_experts, x.device)
+        h = grouped_linear(x.to(a.dtype), a, splits, backend) * adapter.scaling
+        return grouped_linear(h, b, splits, backend)[:, : self.info.out_local]
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """Dist-checkpoint entries: each slot's `[E_local, ...]` A and B as one tensor with a

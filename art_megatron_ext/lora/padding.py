@@ -86,6 +86,36 @@ def padding_mask(
     return mask
 
 
+SHARD_MASK_CACHE_ATTR = "_lora_shard_masks"  # on a parameter: {key: (zero_mask, mask)}
+
+
+def shard_padding_mask(
+    param: torch.nn.Parameter, start: int, end: int, device: torch.device
+) -> torch.Tensor | None:
+    """Bool mask over `param.view(-1)[start:end]` (a distributed optimizer's shard), True where
+    the padding (and structural zeros) must stay zero, on `device`; None when the shard holds
+    none.
+
+    Why cached: built on the host and copied to the device for every state tensor, the mask
+    cost several host-to-device copies (each a stream sync) per parameter, twice per step. It
+    is built once per (parameter, shard, device) and kept on the parameter; a new logical
+    shape or a new `lora_zero_mask` object (a slot reloaded into the same parameters) builds
+    it again."""
+    logical, zero_mask = logical_shape(param), zero_mask_of(param)
+    cache = getattr(param, SHARD_MASK_CACHE_ATTR, None)
+    if cache is None:
+        cache = {}
+        setattr(param, SHARD_MASK_CACHE_ATTR, cache)
+    key = (start, end, str(device), tuple(param.shape), logical)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is zero_mask:
+        return hit[1]
+    flat = padding_mask(tuple(param.shape), logical, zero_mask).view(-1)[start:end]
+    mask = flat.to(device) if bool(flat.any()) else None  # host-side any(): no device sync
+    cache[key] = (zero_mask, mask)
+    return mask
+
+
 def zero_optimizer_padding_(
     optimizer, param: torch.nn.Parameter, zero_mask: torch.Tensor | None = None
 ) -> None:
@@ -94,7 +124,11 @@ def zero_optimizer_padding_(
     A plain torch optimizer keeps per-parameter state tensors of the parameter's shape (Adam
     moments). Megatron's `DistributedOptimizer` (or a `ChainedOptimizer` of them) keeps, on
     each DP rank, a flat shard of the parameter's fp32 main copy, of its gradient and of
-    every moment: those shards are masked with the matching slice of the flattened padding.
+    every moment: those shards are masked with the matching slice of the flattened padding
+    (`shard_padding_mask`, built once per parameter), in the optimizer's live storage also
+    under `use_precision_aware_optimizer` (`compat.distopt_live_param_state`), whose
+    state accessor hands back unscaled copies. For a distributed optimizer the structural
+    zeros are read from `param` itself (`zero_mask` is for the torch-optimizer path).
     """
     logical = logical_shape(param)
     if type(optimizer).__module__.startswith("megatron."):
@@ -106,15 +140,16 @@ def zero_optimizer_padding_(
             if not compat.distopt_owns(part, param):
                 continue  # no shard of this parameter on this DP rank
             start, end = compat.distopt_param_shard(part, param)
-            flat = padding_mask(tuple(param.shape), logical, zero_mask).view(-1)[start:end]
-            if not bool(flat.any()):
-                continue
             with torch.no_grad():
-                for value in compat.distopt_get_param_state(part, param).values():
-                    if torch.is_tensor(value) and value.numel() == end - start:
-                        value.masked_fill_(flat.to(value.device), 0)
-                        if value.grad is not None and value.grad.shape == value.shape:
-                            value.grad.masked_fill_(flat.to(value.device), 0)
+                for value in compat.distopt_live_param_state(part, param).values():
+                    if not (torch.is_tensor(value) and value.numel() == end - start):
+                        continue
+                    mask = shard_padding_mask(param, start, end, value.device)
+                    if mask is None:
+                        break  # this shard holds no padding
+                    value.masked_fill_(mask, 0)
+                    if value.grad is not None and value.grad.shape == value.shape:
+                        value.grad.masked_fill_(mask, 0)
         return
     state = getattr(optimizer, "state", {})
     for value in state.get(param, {}).values():

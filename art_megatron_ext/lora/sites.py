@@ -67,6 +67,37 @@ def iter_lora_sites(model: torch.nn.Module) -> Iterator[LoraSiteSlot]:
                 yield LoraSiteSlot(module.info.path, module.info.kind, slot, module, adapter)
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class LoraPrecisionError(ValueError):
+    """A low-precision LoRA parameter would be updated in place by a plain torch optimizer."""
+
+
+def check_lora_optimizer_precision(model: torch.nn.Module, optimizer) -> None:
+    """Raise `LoraPrecisionError` if a plain torch optimizer steps a bf16/fp16 LoRA parameter.
+
+    Why: a torch optimizer adds its update to the parameter in the parameter's dtype. With
+    bf16 (8 significant bits) an update smaller than about 1/256 of the weight rounds away, so
+    small LoRA learning rates silently stop training. Megatron's optimizers keep fp32 main
+    params and are accepted, as are fp32 LoRA parameters (`LoraConfig(dtype=torch.float32)`)
+    and parameters the optimizer does not hold. Nothing is changed either way.
+    """
+    if optimizer is None or type(optimizer).__module__.startswith("megatron."):
+        return
+    held = {id(p) for group in getattr(optimizer, "param_groups", ()) for p in group["params"]}
+    for entry in iter_lora_sites(model):
+        for name, param in entry.tensors:
+            if param.dtype in LOW_PRECISION and id(param) in held:
+                raise LoraPrecisionError(
+                    f"LoRA parameter {entry.path}.lora.slots.{entry.slot}.{name} is "
+                    f"{param.dtype} and {type(optimizer).__name__} updates it in that dtype, "
+                    "where small updates round away; use fp32 LoRA parameters "
+                    "(LoraConfig(dtype=torch.float32)) or Megatron's optimizer (fp32 main "
+                    "params). Nothing was changed."
+                )
+
+
 def zero_lora_padding_(model: torch.nn.Module, optimizer=None) -> int:
     """Zero the padded regions (and structural zeros of stacked fused slots) of every LoRA
     parameter, its `.grad` and `main_grad`.
@@ -75,7 +106,11 @@ def zero_lora_padding_(model: torch.nn.Module, optimizer=None) -> int:
     per-parameter state tensors (Adam moments) of a torch optimizer, and the flat main-param,
     grad and moment shards of Megatron's `DistributedOptimizer`. Call it after backward (before
     the step) and after the step. Returns the number of parameters visited.
+
+    A plain torch optimizer holding a bf16/fp16 LoRA parameter is refused first
+    (`check_lora_optimizer_precision`), before anything is zeroed.
     """
+    check_lora_optimizer_precision(model, optimizer)
     count = 0
     for entry in iter_lora_sites(model):
         for _, param in entry.tensors:
