@@ -175,8 +175,12 @@ def test_update_while_the_engine_steps_rides_its_batches(server, art, versions, 
 
     resp, upd, s0, before, after = asyncio.run(run())
     assert resp.status_code == 200 and upd.status_code == 200, (resp.text, upd.text)
-    assert after["rides"]["stepped"] - before["rides"]["stepped"] == 2  # stage and commit
-    assert after["rides"]["flushed"] == before["rides"]["flushed"]
+    stepped = after["rides"]["stepped"] - before["rides"]["stepped"]
+    flushed = after["rides"]["flushed"] - before["rides"]["flushed"]
+    # Stage and commit rode batches (no RPC while the engine stepped); the finish's final ride
+    # (the workers drop their undo copy) rides the next batch, or goes as one RPC if the
+    # generation ended first: nothing was left to drain then.
+    assert stepped >= 2 and stepped + flushed == 3, (stepped, flushed)
     choice = resp.json()["choices"][0]
     tokens = choice["token_ids"]
     spans = validate_spans(choice, LONG, latest_version=v_new)
