@@ -16,12 +16,12 @@ from .attach import BypassedLinear, UnsupportedLinear, attach_lora
 from .config import DEFAULT_SLOT, KNOWN_TARGETS, LoraConfig, LoraPadding
 from .export import export_peft
 from .hf_layout import HfNaming
-from .param_sync import finish_lora_param_sync
 from .site import LoraSite, NoActiveSlot, SlotHasLiveGradients
 from .sites import (
     LoraPrecisionError,
     LoraSiteSlot,
     check_lora_optimizer_precision,
+    finish_lora_param_sync,
     iter_lora_sites,
     zero_lora_padding_,
 )

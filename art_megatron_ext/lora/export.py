@@ -19,9 +19,8 @@ import torch
 
 from .hf_layout import PEFT_PREFIX, HfNaming, hf_modules, split_fused_b
 from .padding import logical_view
-from .param_sync import finish_lora_param_sync
 from .site import LoraSite
-from .sites import iter_lora_sites
+from .sites import finish_lora_param_sync, iter_lora_sites
 
 
 def _dist() -> bool:

@@ -17,7 +17,7 @@ base module. We add no hook and name no Megatron internal: whatever Megatron's h
 
 Megatron deliberately holds the all-gather back until the next forward, so a reader of the
 trained weights between a step and the next forward (export, checkpoint, a comparison) must
-finish it first: `finish_lora_param_sync(model)` does, by calling every adapter once.
+finish it first: `sites.finish_lora_param_sync(model)` does, by calling every adapter once.
 """
 
 from __future__ import annotations
@@ -43,22 +43,3 @@ def finish_slots_param_sync(adapters) -> int:
             lora_factors(adapter)
             count += 1
     return count
-
-
-def finish_lora_param_sync(model: torch.nn.Module) -> int:
-    """Finish every pending parameter all-gather of `model`'s LoRA parameters.
-
-    Call it (every rank of the data-parallel group, in the same order: it may run the
-    all-gather) before reading trained LoRA weights between an optimizer step and the next
-    forward. `export_peft` calls it, and so does every site's `sharded_state_dict` (Megatron
-    dist-checkpoint saves), for its own slots. Without Megatron DDP, or without
-    `overlap_param_gather`, it costs one no-op call per slot. Returns the number of slots
-    visited. `model` may be the DDP wrapper or the module it wraps.
-
-    Like Megatron's own forced sync (`disable_forward_pre_hook`), it marks this iteration's
-    all-gather as done until the next backward: call it after the optimizer step, not
-    between a backward and the step (the step's update would then not be gathered).
-    """
-    from .sites import iter_lora_sites
-
-    return finish_slots_param_sync(entry.adapter for entry in iter_lora_sites(model))

@@ -17,6 +17,7 @@ import torch
 
 from .adapter import LoraAdapter
 from .padding import logical_shape, zero_mask_of, zero_optimizer_padding_, zero_padding_
+from .param_sync import finish_slots_param_sync
 from .site import LoraSite
 
 
@@ -123,3 +124,20 @@ def zero_lora_padding_(model: torch.nn.Module, optimizer=None) -> int:
                 zero_optimizer_padding_(optimizer, param, mask)
             count += 1
     return count
+
+
+def finish_lora_param_sync(model: torch.nn.Module) -> int:
+    """Finish every pending parameter all-gather of `model`'s LoRA parameters.
+
+    Call it (every rank of the data-parallel group, in the same order: it may run the
+    all-gather) before reading trained LoRA weights between an optimizer step and the next
+    forward. `export_peft` calls it, and so does every site's `sharded_state_dict` (Megatron
+    dist-checkpoint saves), for its own slots. Without Megatron DDP, or without
+    `overlap_param_gather`, it costs one no-op call per slot. Returns the number of slots
+    visited. `model` may be the DDP wrapper or the module it wraps.
+
+    Like Megatron's own forced sync (`disable_forward_pre_hook`), it marks this iteration's
+    all-gather as done until the next backward: call it after the optimizer step, not
+    between a backward and the step (the step's update would then not be gathered).
+    """
+    return finish_slots_param_sync(entry.adapter for entry in iter_lora_sites(model))

@@ -69,9 +69,8 @@ def _train(rank: int, overlap: bool, declare: bool, steps: int) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from art_megatron_ext import compat
-    from art_megatron_ext.lora import activate_slot
+    from art_megatron_ext.lora import activate_slot, finish_lora_param_sync
     from art_megatron_ext.lora.cpu_runtime import causal_mask
-    from art_megatron_ext.lora.param_sync import finish_lora_param_sync
     from art_megatron_ext.lora.slot_training import (
         SlotTraining,
         SlotTrainingAfterWrap,

@@ -15,7 +15,8 @@ from art_vllm_plugin.api_server.state import ApiServerState, api_server_state
 
 def _state(**slot_versions: int) -> ApiServerState:
     view = SimpleNamespace(
-        slots={name: SimpleNamespace(version=v) for name, v in slot_versions.items()}
+        slots={name: SimpleNamespace(version=v) for name, v in slot_versions.items()},
+        lease_book={"copies": {}, "leases": {}},  # engine 0's, as the last registry read had it
     )
     return ApiServerState(
         engine_client=None,
