@@ -79,8 +79,13 @@ def train_step(ddp, optimizer, step: int, rows: slice) -> None:
 def wrap_overlapped(model, overlap: bool, bucket_size: int, weight_decay: float):
     """(DDP wrapper, Megatron DistributedOptimizer) for `model` with `overlap_grad_reduce` and
     `overlap_param_gather` both `overlap`, and buckets of `bucket_size` elements (small ones
-    spread LoRA over several bucket groups). Adam, lr 0.05, no clipping, fp32 grad reduce."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    spread LoRA over several bucket groups). Adam, lr 0.05, no clipping, fp32 grad reduce.
+    The model's config gets DDP's grad finalization and no-sync hooks (`scheduled_step`)."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp_config = DistributedDataParallelConfig(
@@ -102,4 +107,37 @@ def wrap_overlapped(model, overlap: bool, bucket_size: int, weight_decay: float)
         ),
         [ddp],
     )
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
     return ddp, optimizer
+
+
+def scheduled_step(ddp, optimizer, tokens: torch.Tensor) -> float:
+    """One optimizer step on `tokens` through Megatron's own schedule
+    (`get_forward_backward_func`, which runs DDP's hooks as a trainer's step does); the loss."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from art_megatron_ext.lora.cpu_runtime import causal_mask
+
+    mask = causal_mask(SEQ)
+
+    def forward_step(data_iterator, module):
+        batch = next(data_iterator)
+        positions = torch.arange(SEQ).expand(batch.shape[0], SEQ)
+        loss = module(batch[:, :-1], positions, mask, labels=batch[:, 1:]).mean()
+        return loss, lambda value: (value, {"loss": value.detach()})
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter([tokens]),
+        model=[ddp],
+        num_microbatches=1,
+        seq_length=SEQ,
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    ok, _, _ = optimizer.step()
+    assert ok
+    return float(out[0]["loss"])

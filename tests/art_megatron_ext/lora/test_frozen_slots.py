@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from support.dist import run_ranks
-from support.distopt_model import SEQ, SHAPE, global_batch, wrap_overlapped
+from support.distopt_model import SEQ, SHAPE, global_batch, scheduled_step, wrap_overlapped
 
 
 def _snapshot(model, slot: str) -> dict:
@@ -63,10 +63,6 @@ def _build(declare: bool, out: dict):
 
 
 def _train(rank: int, overlap: bool, declare: bool, steps: int) -> dict:
-    from megatron.core.distributed import (
-        finalize_model_grads,
-    )
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from art_megatron_ext import compat
     from art_megatron_ext.lora import activate_slot, finish_lora_param_sync
@@ -104,29 +100,9 @@ def _train(rank: int, overlap: bool, declare: bool, steps: int) -> dict:
         params = _params(model, slot)
         out[f"{slot}_in_buffers"] = [p in ddp.param_to_bucket_group for p in params]
         out[f"{slot}_in_optimizer"] = [p in owned for p in params]
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model.config.no_sync_func = ddp.no_sync
-
-    def forward_step(data_iterator, module):
-        batch = next(data_iterator)
-        loss = module(batch[:, :-1], positions, mask, labels=batch[:, 1:]).mean()
-        return loss, lambda value: (value, {"loss": value.detach()})
-
     for step in range(steps):
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
         with activate_slot(model, "policy"):
-            get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iter([global_batch(step)[rank : rank + 1]]),
-                model=[ddp],
-                num_microbatches=1,
-                seq_length=SEQ,
-                micro_batch_size=1,
-                forward_only=False,
-            )
-        ok, _, _ = optimizer.step()
-        assert ok
+            scheduled_step(ddp, optimizer, global_batch(step)[rank : rank + 1])
     finish_lora_param_sync(model)
     out["ref_after"] = _snapshot(model, "ref")
     out["ref_loss_after"] = ref_loss()

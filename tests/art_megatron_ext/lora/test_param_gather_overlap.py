@@ -20,52 +20,24 @@ import numpy as np
 import pytest
 import torch
 from support.dist import run_ranks
-from support.distopt_model import SEQ, SHAPE, global_batch, wrap_overlapped
+from support.distopt_model import SHAPE, global_batch, scheduled_step, wrap_overlapped
 
 STEPS = 4
 BUCKET_SIZE = 1200  # elements: the 16 LoRA tensors (512-768 each) fill several buckets
 
 
 def _train(rank: int, overlap: bool, export_dir: Path) -> dict:
-    from megatron.core.distributed import (
-        finalize_model_grads,
-    )
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from art_megatron_ext.lora import LoraConfig, attach_lora, export_peft, iter_lora_sites
-    from art_megatron_ext.lora.cpu_runtime import causal_mask
     from art_megatron_ext.lora.tiny_gpt import GptShape, build_gpt
 
     torch.manual_seed(0)
     model = build_gpt(GptShape(**SHAPE))
     attach_lora(model, LoraConfig(rank=8, alpha=16.0))
     ddp, optimizer = wrap_overlapped(model, overlap, BUCKET_SIZE, weight_decay=0.0)
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model.config.no_sync_func = ddp.no_sync
-    mask = causal_mask(SEQ)
-
-    def forward_step(data_iterator, module):
-        tokens = next(data_iterator)
-        positions = torch.arange(SEQ).expand(tokens.shape[0], SEQ)
-        loss = module(tokens[:, :-1], positions, mask, labels=tokens[:, 1:]).mean()
-        return loss, lambda out: (out, {"loss": out.detach()})
 
     def step(index: int) -> float:
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        tokens = global_batch(index)[rank : rank + 1]
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter([tokens]),
-            model=[ddp],
-            num_microbatches=1,
-            seq_length=SEQ,
-            micro_batch_size=1,
-            forward_only=False,
-        )
-        ok, _, _ = optimizer.step()
-        assert ok
-        return float(out[0]["loss"])
+        return scheduled_step(ddp, optimizer, global_batch(index)[rank : rank + 1])
 
     losses = [step(index) for index in range(STEPS)]
     export_peft(ddp.module, "default", export_dir, "tiny")  # right after the step
