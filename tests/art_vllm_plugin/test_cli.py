@@ -1,4 +1,11 @@
-"""`--plugin NAME[,NAME]` on the stock `vllm serve` parser selects plugins for every process."""
+"""`--plugin NAME[,NAME]` and `--art-cpu-layout` on the stock `vllm serve` parser.
+
+Each case parses in a process of its own (the options change the process's environment and
+activate the plugin, which a later case must not see), but importing vLLM's CLI costs 10-20 s
+per process on these hosts. So one process imports it once and forks a child per case
+(`CASES_RUNNER`): the child starts from the import's state with its own environment, exactly
+as a fresh `vllm serve` would after its imports, and reports its exit code, stdout and stderr.
+"""
 
 from __future__ import annotations
 
@@ -8,108 +15,139 @@ import subprocess
 import sys
 import textwrap
 
-PARSE = textwrap.dedent(
+import pytest
+
+#: Reads [{"argv": [...], "env": {...}}, ...] on stdin; forks a child per case that sets the
+#: case's environment, builds the stock `vllm serve` parser, parses, and prints what the
+#: options did; prints one JSON list of {"rc", "out", "err"} in case order.
+CASES_RUNNER = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, sys, tempfile
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from art_vllm_plugin import plugin_loader
 
-    root = FlexibleArgumentParser(prog="vllm")
-    sub = root.add_subparsers(dest="subparser")
-    ServeSubcommand().subparser_init(sub)
-    args = root.parse_args(sys.argv[1:])
-    print(json.dumps({"plugins": getattr(args, "plugins", None),
-                      "env": os.environ.get("VLLM_PLUGINS"),
-                      "active": plugin_loader.is_active()}))
+    def parse(argv):
+        root = FlexibleArgumentParser(prog="vllm")
+        sub = root.add_subparsers(dest="subparser")
+        ServeSubcommand().subparser_init(sub)
+        args = root.parse_args(argv)
+        layout = getattr(args, "art_cpu_layout", None)
+        print(json.dumps({"plugins": getattr(args, "plugins", None),
+                          "env": os.environ.get("VLLM_PLUGINS"),
+                          "active": plugin_loader.is_active(),
+                          "layout": layout.mode if layout else None,
+                          "layout_env": os.environ.get("ART_VLLM_CPU_LAYOUT")}))
+
+    results = []
+    for case in json.load(sys.stdin):
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            sys.stdout.flush(); sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+                for name in ("VLLM_PLUGINS", "ART_VLLM_CPU_LAYOUT"):
+                    os.environ.pop(name, None)
+                os.environ.update(case["env"])
+                code = 0
+                try:
+                    parse(case["argv"])
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else 1
+                except BaseException:
+                    import traceback; traceback.print_exc(); code = 1
+                sys.stdout.flush(); sys.stderr.flush()
+                os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            out.seek(0); err.seek(0)
+            results.append({"rc": os.waitstatus_to_exitcode(status),
+                            "out": out.read().decode(), "err": err.read().decode()})
+    print(json.dumps(results))
     """
 )
 
+CASES = {
+    "selects": (["serve", "some/model", "--plugin", "art"], {}),
+    "lists": (["serve", "m", "--plugin", "x,art", "--plugin", "art,y"], {}),
+    "keeps_env": (["serve", "m", "--plugin", "art"], {"VLLM_PLUGINS": "art,other"}),
+    "none": (["serve", "m"], {}),
+    "empty_name": (["serve", "m", "--plugin", "art,"], {}),
+    "layout_off": (["serve", "m", "--plugin", "art", "--art-cpu-layout", "off"], {}),
+    "layout_default": (["serve", "m", "--plugin", "art"], {}),
+    "layout_unknown": (["serve", "m", "--plugin", "art", "--art-cpu-layout", "sometimes"], {}),
+}
 
-def _parse(*argv: str, env_plugins: str | None = None) -> subprocess.CompletedProcess:
+
+@pytest.fixture(scope="module")
+def parsed() -> dict[str, dict]:
+    """Case name -> {"rc", "out", "err", "json" (the last stdout line, parsed, or None)}."""
     env = dict(os.environ)
-    env.pop("VLLM_PLUGINS", None)
-    if env_plugins is not None:
-        env["VLLM_PLUGINS"] = env_plugins
-    return subprocess.run(
-        [sys.executable, "-c", PARSE, *argv], capture_output=True, text=True, env=env, timeout=300
+    for name in ("VLLM_PLUGINS", "ART_VLLM_CPU_LAYOUT"):
+        env.pop(name, None)
+    cases = [{"argv": argv, "env": case_env} for argv, case_env in CASES.values()]
+    proc = subprocess.run(
+        [sys.executable, "-c", CASES_RUNNER],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
-
-
-def _ok(*argv, **kw):
-    proc = _parse(*argv, **kw)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = {}
+    for name, result in zip(CASES, results, strict=True):
+        lines = result["out"].strip().splitlines()
+        result["json"] = json.loads(lines[-1]) if result["rc"] == 0 and lines else None
+        out[name] = result
+    return out
 
 
-def test_plugin_option_selects_and_activates_art():
-    out = _ok("serve", "some/model", "--plugin", "art")
-    assert out == {"plugins": ["art"], "env": "art", "active": True}
+def _ok(parsed, name: str) -> dict:
+    result = parsed[name]
+    assert result["rc"] == 0, result["err"][-3000:]
+    return result["json"]
 
 
-def test_plugin_option_accepts_lists_and_repeats_without_duplicates():
-    out = _ok("serve", "m", "--plugin", "x,art", "--plugin", "art,y")
+def test_plugin_option_selects_and_activates_art(parsed):
+    out = _ok(parsed, "selects")
+    assert (out["plugins"], out["env"], out["active"]) == (["art"], "art", True)
+
+
+def test_plugin_option_accepts_lists_and_repeats_without_duplicates(parsed):
+    out = _ok(parsed, "lists")
     assert out["plugins"] == ["x", "art", "y"]
     assert out["env"] == "x,art,y"
 
 
-def test_plugin_option_keeps_names_already_in_the_environment():
-    out = _ok("serve", "m", "--plugin", "art", env_plugins="art,other")
-    assert out["env"] == "art,other"
+def test_plugin_option_keeps_names_already_in_the_environment(parsed):
+    assert _ok(parsed, "keeps_env")["env"] == "art,other"
 
 
-def test_without_the_option_nothing_is_selected():
-    out = _ok("serve", "m")
-    assert out == {"plugins": None, "env": None, "active": False}
+def test_without_the_option_nothing_is_selected(parsed):
+    out = _ok(parsed, "none")
+    assert (out["plugins"], out["env"], out["active"]) == (None, None, False)
 
 
-def test_empty_plugin_name_is_a_clear_error():
-    proc = _parse("serve", "m", "--plugin", "art,")
-    assert proc.returncode != 0
-    assert "--plugin expects NAME[,NAME]" in proc.stderr
+def test_empty_plugin_name_is_a_clear_error(parsed):
+    result = parsed["empty_name"]
+    assert result["rc"] != 0
+    assert "--plugin expects NAME[,NAME]" in result["err"]
 
 
-LAYOUT = textwrap.dedent(
-    """
-    import json, os, sys
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    root = FlexibleArgumentParser(prog="vllm")
-    sub = root.add_subparsers(dest="subparser")
-    ServeSubcommand().subparser_init(sub)
-    args = root.parse_args(sys.argv[1:])
-    layout = getattr(args, "art_cpu_layout", None)
-    print(json.dumps({"mode": layout.mode if layout else None,
-                      "env": os.environ.get("ART_VLLM_CPU_LAYOUT")}))
-    """
-)
-
-
-def _layout(*argv):
-    env = dict(os.environ)
-    env.pop("VLLM_PLUGINS", None)
-    env.pop("ART_VLLM_CPU_LAYOUT", None)
-    return subprocess.run(
-        [sys.executable, "-c", LAYOUT, *argv], capture_output=True, text=True, env=env, timeout=300
-    )
-
-
-def test_cpu_layout_flag_is_typed_and_reaches_the_engine_processes():
-    proc = _layout("serve", "m", "--plugin", "art", "--art-cpu-layout", "off")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_cpu_layout_flag_is_typed_and_reaches_the_engine_processes(parsed):
+    out = _ok(parsed, "layout_off")
     # EngineCore is started after parsing and inherits the variable.
-    assert out == {"mode": "off", "env": "off"}
+    assert (out["layout"], out["layout_env"]) == ("off", "off")
 
 
-def test_cpu_layout_default_leaves_the_environment_alone():
-    proc = _layout("serve", "m", "--plugin", "art")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"mode": None, "env": None}
+def test_cpu_layout_default_leaves_the_environment_alone(parsed):
+    out = _ok(parsed, "layout_default")
+    assert (out["layout"], out["layout_env"]) == (None, None)
 
 
-def test_cpu_layout_flag_refuses_unknown_modes():
-    proc = _layout("serve", "m", "--plugin", "art", "--art-cpu-layout", "sometimes")
-    assert proc.returncode != 0
-    assert "--art-cpu-layout" in proc.stderr and "invalid choice: 'sometimes'" in proc.stderr
+def test_cpu_layout_flag_refuses_unknown_modes(parsed):
+    result = parsed["layout_unknown"]
+    assert result["rc"] != 0
+    err = result["err"]
+    assert "--art-cpu-layout" in err and "invalid choice: 'sometimes'" in err
