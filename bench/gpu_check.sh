@@ -50,11 +50,14 @@ STAGES=$OUT/stages.tsv
 GPU_TEST_PATHS=(tests/hybridep tests/art_megatron_ext/ops tests/art_vllm_plugin/worker/test_staged_copies.py
                 tests/art_megatron_ext/packing/test_flex_tree_attention.py)
 
-STAGE_NAMES=(preflight build gpu-tests sync-check time-grouped-gemm time-hybridep async-provenance)
+STAGE_NAMES=(preflight build gpu-tests sync-check time-grouped-gemm time-hybridep time-flex-attention
+             async-provenance)
 declare -A LIMIT=([preflight]=60 [build]=200 [gpu-tests]=150 [sync-check]=45
-                  [time-grouped-gemm]=60 [time-hybridep]=120 [async-provenance]=30)
+                  [time-grouped-gemm]=60 [time-hybridep]=120 [time-flex-attention]=75
+                  [async-provenance]=30)
 declare -A FLOOR=([preflight]=10 [build]=30 [gpu-tests]=30 [sync-check]=15
-                  [time-grouped-gemm]=20 [time-hybridep]=30 [async-provenance]=5)
+                  [time-grouped-gemm]=20 [time-hybridep]=30 [time-flex-attention]=25
+                  [async-provenance]=5)
 EXPECTED=(
   "kernels build (both libraries)"
   "GPU tests (ART_REQUIRE_GPU=1, skips fail)"
@@ -65,6 +68,9 @@ EXPECTED=(
   "HybridEP dispatch+combine W=2 vs torch all-to-all"
   "HybridEP dispatch+combine W=4 vs torch all-to-all"
   "HybridEP static-budget path: no host sync"
+  "FlexAttention tree fwd+bwd agrees with fp32 reference"
+  "FlexAttention tree fwd+bwd vs dense SDPA (tree mask)"
+  "FlexAttention tree fwd+bwd vs tiled kernel"
   "async-scheduling provenance"
 )
 
@@ -221,6 +227,10 @@ main() {
     --report "$OUT/timing_grouped_gemm.md"
   run_stage time-hybridep "$PY" bench/gpu_check_hybridep.py --timing --verdicts "$VERDICTS" \
     --report "$OUT/timing_hybridep.md"
+  # tree attention: FlexAttention (compiled, bf16) vs dense SDPA with the tree mask and the
+  # tiled kernel, forward + backward (its compile is most of the stage's time)
+  run_stage time-flex-attention "$PY" bench/gpu_check_flex_attention.py --verdicts "$VERDICTS" \
+    --report "$OUT/timing_flex_attention.md"
 
   # async-scheduling provenance (serving issue): needs vLLM, which the GPU image lacks
   local why=""

@@ -17,7 +17,8 @@ inputs' dtype (bf16 in training) with fp32 softmax inside the kernel. On CPU, Fl
 forward runs eagerly but its backward does not (torch 2.14: `NotImplementedError`), so
 `tree_attention_backend` picks the tiled kernel there; the CPU tests compare this path's
 forward with the tiled kernel's, and the GPU check (`bench/gpu_check.sh`) compares forward
-and backward (timing it against dense SDPA and the tiled kernel is not in the check yet).
+and backward, and times both against dense SDPA with the tree mask and against the tiled kernel
+(`bench/gpu_check_flex_attention.py`; no GPU has run it yet).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_check.sh"
 STAGES = ("preflight", "build", "gpu-tests", "sync-check", "time-grouped-gemm",
-          "time-hybridep", "async-provenance")  # fmt: skip
+          "time-hybridep", "time-flex-attention", "async-provenance")  # fmt: skip
 
 
 def _helper_checks(name: str) -> list[str]:
@@ -121,6 +121,7 @@ def test_dry_run_prints_every_verdict_not_run(dry_run):
         "GPU tests (ART_REQUIRE_GPU=1, skips fail)",
         *_helper_checks("gpu_check_grouped_gemm"),
         *_helper_checks("gpu_check_hybridep"),
+        *_helper_checks("gpu_check_flex_attention"),
         "async-scheduling provenance",
     ]
     for check in checks:
@@ -163,3 +164,24 @@ def test_hybridep_timing_harness_runs_on_cpu_with_two_ranks():
     assert re.search(r"^\| 2 \| dispatch \| ", proc.stdout, re.M)
     assert re.search(r"^\| 2 \| dispatch\+combine \| ", proc.stdout, re.M)
     assert "would record 'HybridEP dispatch+combine W=2 vs torch all-to-all'" in proc.stdout
+
+
+def test_flex_attention_timing_harness_runs_on_cpu():
+    """The same code on a tiny packed shape, the tiled kernel standing in for FlexAttention
+    (no CPU backward); without --dry-run and without CUDA it says so and exits 2."""
+    script = str(REPO / "bench" / "gpu_check_flex_attention.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--dry-run", "--iters", "1"], capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"eager FlexAttention forward vs the fp32 reference: rel err \S+", proc.stdout)
+    for path in ("flex", "dense", "tiled"):
+        assert re.search(rf"^\| {path} \| [\d.]+ \| [\d.]+x \| ", proc.stdout, re.M), path
+    for check in _helper_checks("gpu_check_flex_attention"):
+        assert f"dry run: would record {check!r}" in proc.stdout
+    import torch
+
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "no CUDA device is visible" in proc.stderr
