@@ -109,7 +109,7 @@ test-serve-v2: serve-env $(SERVE)/.triton-ready $(TINY)/.ready
 test-serve-v1: serve-env $(TINY)/.ready
 	ART_TEST_MODEL_RUNNER=v1 $(SERVE)/bin/python -m pytest $(SERVE_V1_SUBSET) -m "not train"
 test-train: train-env
-	$(TRAIN)/bin/python -m pytest tests/art_protocol tests/art_megatron_ext tests/hybridep tests/train_env
+	$(TRAIN)/bin/python -m pytest tests/art_protocol tests/art_megatron_ext tests/hybridep tests/train_env tests/examples
 
 # What bench/gpu_check.sh needs on the lent GPU machine beyond its image; see README "GPU check".
 # GPU_CARRY_PREBUILD=0 skips pre-building the kernels (then the check builds them there).

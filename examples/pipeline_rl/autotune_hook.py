@@ -72,11 +72,10 @@ class LoopTuner:
 
     def step(self, rec: dict, accepted, packed, settings: dict, queue) -> str:
         """Feed one step; apply the (possibly new) settings; return what to print."""
-        rollout_s = [g.finished - g.started for g, _, _ in accepted]
-        put_wait = [g.put_wait_s for g, _, _ in accepted]
+        rollout_s = [g.rollout_s for g in accepted]
+        put_wait = [g.put_wait_s for g in accepted]
         shapes = [
-            GroupShape(len(g.prompt), tuple(len(r.completion) for r, _ in keep))
-            for g, keep, _ in accepted
+            GroupShape(len(g.prompt), tuple(len(m.completion) for m in g.members)) for g in accepted
         ]
         before = len(self.tuner.decisions)
         new = self.tuner.on_step(

@@ -24,13 +24,18 @@ class LoopConfig:
     target_every: int = 32  # the task's target set: every `target_every`-th token id
     prompt_len: int = 8
     completion_len: int = 16
-    max_policy_age: int = 4  # trajectories with a token-weighted age above this are dropped
+    max_policy_age: int = 4  # tokens older than this are not trained (per token, batches.py)
     rollout_workers: int = 2
     queue_capacity: int = 8  # groups; workers block when it is full
     seq_len: int = 256  # packed row length
     attention: str = "tree"  # "tree": tree core attention (no S x S mask); "dense": mask
     lr: float = 5e-2
-    clip_eps: float = 0.2
+    clip_eps: float = 0.2  # PPO clip around the proximal policy (grpo.py)
+    tis_cap: float = 2.0  # truncation of the proximal/behaviour importance weight (TIS)
+    temperature: float = 1.0  # sampling temperature; the trainer divides its logits by it
+    dp: int = 2  # data-parallel trainer ranks (Megatron DDP + DistributedOptimizer, gloo)
+    overlap: bool = True  # overlap_grad_reduce and overlap_param_gather
+    bucket_size: int = 2048  # DDP bucket elements: LoRA spans several buckets, as at scale
     lease_eval_step: int = 3  # pin version N after step N, evaluate it exactly (0: off)
     save_interval: int = 5  # optimizer checkpoint every N steps (and on the final step)
     seed: int = 0
@@ -44,8 +49,18 @@ class LoopConfig:
     def __post_init__(self) -> None:
         if self.attention not in ("tree", "dense"):
             raise ValueError(f"attention must be 'tree' or 'dense', got {self.attention!r}")
-        if self.steps < 1 or self.group_size < 2 or self.groups_per_step < 1:
-            raise ValueError(f"need steps >= 1, group_size >= 2, groups_per_step >= 1: {self}")
+        if self.steps < 1 or self.group_size < 2 or self.dp < 1:
+            raise ValueError(f"need steps >= 1, group_size >= 2, dp >= 1: {self}")
+        if self.groups_per_step < self.dp:
+            raise ValueError(
+                f"groups_per_step {self.groups_per_step} < dp {self.dp}: every data-parallel "
+                "rank trains on at least one group"
+            )
+        if self.temperature <= 0 or self.tis_cap < 1:
+            raise ValueError(
+                f"need temperature > 0 (got {self.temperature}) and tis_cap >= 1 (got "
+                f"{self.tis_cap})"
+            )
         if self.prompt_len + self.group_size * self.completion_len > self.seq_len:
             raise ValueError(
                 f"one group ({self.prompt_len} + {self.group_size} x {self.completion_len} "

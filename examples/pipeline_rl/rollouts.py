@@ -3,9 +3,12 @@
 Pipeline RL: the workers never pause for an update. The server swaps the slot's adapter in
 flight, and every completion's `policy_spans` say which version computed each token; the
 trainer turns that into a policy age per token. A worker asks for one group per request
-(`n = group_size`, temperature 1, the sampled token's logprob), checks the spans cover every
-token exactly once, scores the group and puts it on a bounded queue (blocking when full: the
-time it blocks is reported to the autotuner). Light client only: httpx, no torch, no vLLM.
+(`n = group_size`, the loop's sampling temperature, the sampled token's logprob), checks the
+spans cover every token exactly once, scores the group and puts it on a bounded queue
+(blocking when full: the time it blocks is reported to the autotuner). Each group carries the
+temperature it was sampled at: the trainer divides its logits by it, so its logprobs and the
+server's (`--logprobs-mode processed_logprobs`: after temperature) are of one
+distribution. Light client only: httpx, no torch, no vLLM.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Group:
     rollouts: list[Rollout]
     started: float  # first request sent (monotonic)
     finished: float  # response received
+    temperature: float  # what the request sampled at (the trainer applies it to its logits)
     put_wait_s: float = 0.0
 
 
@@ -101,6 +105,7 @@ class RolloutWorkers:
     completion_len: int
     workers: int
     active: Callable[[], int]
+    temperature: float = 1.0
     seed: int = 0
     error: BaseException | None = None
     requests: int = 0
@@ -148,7 +153,7 @@ class RolloutWorkers:
                 "prompt": prompt,
                 "n": self.group_size,
                 "max_tokens": self.completion_len,
-                "temperature": 1.0,
+                "temperature": self.temperature,
                 "ignore_eos": True,
                 "logprobs": 0,
                 "return_token_ids": True,
@@ -167,4 +172,4 @@ class RolloutWorkers:
             rollouts.append(
                 Rollout(ids, [float(x) for x in logprobs], list(spans), self.reward(ids))
             )
-        return Group(prompt, rollouts, started, time.monotonic())
+        return Group(prompt, rollouts, started, time.monotonic(), self.temperature)

@@ -2,9 +2,11 @@
 
     .venv-serve/bin/python examples/pipeline_rl/run.py [--steps 30] [--autotune]
 
-Starts, at the same time, the trainer process (`.venv-train`, `trainer.py`: Megatron GPT +
-LoRA, resident optimizer, prefix-tree packing, PEFT export, in-flight publish, rollout worker
-threads) and a real `vllm serve --plugin art` serving the tiny model with slot `policy`. When
+Starts, at the same time, the trainer's `--dp` ranks (`.venv-train`, `trainer.py`: Megatron
+GPT + LoRA under DDP with the distributed optimizer and communication overlap, resident
+optimizer, prefix-tree packing, GRPO with TIS, PEFT export, in-flight publish, rollout worker
+threads on rank 0) and a real `vllm serve --plugin art` serving the tiny model with slot
+`policy`. When
 the server answers `/health` the driver tells the trainer its URL (RUN_DIR/server.json), then
 waits. Both run in their own process groups; on Ctrl-C, on a failure of either, or at the end,
 the `finally` blocks stop the trainer's group and then the server's. Before stopping the server
@@ -20,6 +22,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -57,9 +60,11 @@ def parse_args(argv=None) -> tuple[LoopConfig, argparse.Namespace]:
     for f in fields(LoopConfig):
         if f.name in skip:
             continue
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default
-        )
+        flag = f"--{f.name.replace('_', '-')}"
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default)
     args = parser.parse_args(argv)
     tiny = Path(args.tiny).resolve()
     values = {f.name: getattr(args, f.name) for f in fields(LoopConfig) if f.name not in skip}
@@ -93,10 +98,55 @@ def server_config(cfg: LoopConfig) -> serve_process.ServeConfig:
         "64",
         "--max-cpu-loras",
         "4",  # policy, shadow and the lease's pinned copy stay resident
+        # logprobs of the distribution sampled from (after the request's temperature), which
+        # the trainer reproduces by dividing its logits by the same temperature
+        "--logprobs-mode",
+        "processed_logprobs",
     ]
     return serve_process.ServeConfig(
         model=cfg.hf_model, args=tuple(args), log_path=cfg.path / "server.log"
     )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_trainer_ranks(cfg: LoopConfig, python: str, config_path: Path) -> list[subprocess.Popen]:
+    """`cfg.dp` trainer processes with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT), all in one new process group (rank 0's): Ctrl-C here,
+    `stop_group` there, and no rank outlives the driver. (torchrun would put each worker in a
+    session of its own.)"""
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{HERE}{os.pathsep}{REPO}",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",  # Megatron's Apex/TE fallbacks warn on every import
+        "WORLD_SIZE": str(cfg.dp),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    ranks: list[subprocess.Popen] = []
+    try:
+        for rank in range(cfg.dp):
+            # rank 0 leads a new process group (in this session: the later ranks may only join
+            # a group of their own session), the others join it
+            group = 0 if rank == 0 else ranks[0].pid
+            ranks.append(
+                subprocess.Popen(
+                    [python, str(HERE / "trainer.py"), str(config_path)],
+                    cwd=REPO,
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    process_group=group,
+                )
+            )
+    except BaseException:
+        if ranks:  # the started ranks would wait for the others forever
+            stop_group(ranks[0])
+        raise
+    return ranks
 
 
 def stop_group(proc: subprocess.Popen, timeout_s: float = 20) -> None:
@@ -134,18 +184,9 @@ def run(cfg: LoopConfig, args) -> dict:
     config_path = cfg.save()
     timings, pids = {}, {}
     t0, t0_wall = time.monotonic(), time.time()
-    trainer = subprocess.Popen(
-        [args.train_python, str(HERE / "trainer.py"), str(config_path)],
-        cwd=REPO,
-        env={
-            **os.environ,
-            "PYTHONPATH": f"{HERE}{os.pathsep}{REPO}",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONWARNINGS": "ignore",  # Megatron's Apex/TE fallbacks warn on every import
-        },
-        start_new_session=True,  # own process group: Ctrl-C here, stop_group() there
-    )
-    pids["trainer"] = trainer.pid
+    ranks = start_trainer_ranks(cfg, args.train_python, config_path)
+    trainer = ranks[0]
+    pids["trainer"] = trainer.pid  # the process group of every rank
     server = None
     try:
         scfg = server_config(cfg)
@@ -156,18 +197,22 @@ def run(cfg: LoopConfig, args) -> dict:
         say(f"server ready at {server.url} after {timings['server_start_s']:.1f}s")
         (cfg.path / "server.json").write_text(json.dumps({"url": server.url}))
         t_loop = time.monotonic()
-        while trainer.poll() is None:
+        while any(rank.poll() is None for rank in ranks):
             if server.proc.poll() is not None:
                 raise RuntimeError(
                     f"the server exited ({server.proc.returncode}):\n{server.log_tail()}"
                 )
+            failed = [(i, r.returncode) for i, r in enumerate(ranks) if r.poll() not in (None, 0)]
+            if failed:  # the other ranks would wait in a collective: stop them all
+                raise RuntimeError(f"trainer rank {failed[0][0]} failed (exit {failed[0][1]})")
             time.sleep(0.5)
         timings["trainer_after_server_s"] = time.monotonic() - t_loop
-        if trainer.returncode != 0:
-            raise RuntimeError(f"the trainer failed with exit code {trainer.returncode}")
         (cfg.path / "server_view.json").write_text(json.dumps(show(server.url, cfg.slot)))
     finally:
-        stop_group(trainer)
+        stop_group(trainer)  # every rank: they share rank 0's process group
+        for rank in ranks[1:]:  # reap them (a zombie still counts as a member of the group)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                rank.wait(timeout=10)
         if server is not None:
             server.stop()
         for pgid in pids.values():  # the driver returns only when none of them is left

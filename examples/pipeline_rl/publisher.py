@@ -1,0 +1,82 @@
+"""Export each version after the step, publish it from rank 0 while the next step trains.
+
+`export_ready` is collective over the data-parallel group: every rank finishes the LoRA
+parameter all-gather that `overlap_param_gather` holds back until the next forward (otherwise
+the shards other ranks own would be stale in the export), rank 0 writes the version atomically
+(temp dir, fsync, rename, manifest with the content digest). Rank 0 alone then publishes it in
+flight on a background thread (`BackgroundPublisher` + `post_update`, digest included), so the
+optimizer checkpoint is written while the server loads the version. With `--push` the
+version's files travel in the request (`ArtClient.update_from_dir`) instead of its path.
+`latest` is the newest version published or in flight: what the rollout workers validate span
+versions against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from loop_config import LoopConfig
+
+
+class Publisher:
+    def __init__(self, url: str | None, cfg: LoopConfig):
+        """`url`: the server's, on rank 0; None on the other ranks (they only export)."""
+        from art_megatron_ext.lora.publish_ready import BackgroundPublisher, post_update
+
+        self.cfg = cfg
+        self._background = None
+        if url is not None:
+            self._post = self._pusher(url) if cfg.push else post_update(url)
+            self._background = BackgroundPublisher(self._publish)
+        self._pending = None
+        self._t_trained = 0.0
+        self.latest = 0
+        self.published = 0
+        self.last_ms = 0.0
+
+    @staticmethod
+    def _pusher(url: str):
+        from art_protocol.client import ArtClient
+
+        def push(ready) -> dict:
+            with ArtClient(url, timeout=300) as art:
+                return art.update_from_dir(
+                    ready.slot, ready.path, ready.version, digest=ready.digest
+                )
+
+        return push
+
+    def _publish(self, ready) -> dict:
+        if self.cfg.publish_slot != ready.slot:  # the broken-loop test's wrong slot
+            ready = dataclasses.replace(ready, slot=self.cfg.publish_slot)
+        receipt = self._post(ready)
+        self.published = ready.version
+        self.last_ms = (time.monotonic() - self._t_trained) * 1000
+        return receipt
+
+    def start(self, model, version: int, t_trained: float) -> None:
+        """Collective: export `version` (every rank), publish it in the background (rank 0)."""
+        from art_megatron_ext.lora.publish_ready import export_ready
+
+        ready = export_ready(
+            model,
+            self.cfg.slot,
+            self.cfg.path / "adapters",
+            version=version,
+            step=version,
+            base_model_name_or_path=self.cfg.hf_model,
+        )
+        self.latest = version
+        self._t_trained = t_trained
+        if self._background is not None:
+            self._pending = self._background.submit(ready)
+
+    def join(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()  # raises the publish's error
+
+    def close(self) -> None:
+        if self._background is not None:
+            self._background.close()
