@@ -71,3 +71,16 @@ def write_verdict(path: Path | None, check: str, measured: str, target: str, ok:
     if path is not None:
         with open(path, "a") as f:
             f.write(line + "\n")
+
+
+def record_verdicts(path: Path | None, rows, dry: bool) -> int:
+    """Write `rows` of (check, measured, target, ok) as verdicts; on a dry run only say what
+    would be recorded. Returns the number of failed checks."""
+    failed = 0
+    for check, measured, target, ok in rows:
+        if dry:
+            print(f"dry run: would record {check!r}: {target}", flush=True)
+            continue
+        write_verdict(path, check, measured, target, ok)
+        failed += int(not ok)
+    return failed

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gpu_check_common import time_per_call, write_verdict
+from gpu_check_common import record_verdicts, time_per_call
 
 SPEEDUP_VS_DENSE = 1.0
 SPEEDUP_VS_TILED = 2.0
@@ -176,14 +176,8 @@ def run(dry: bool, verdicts: Path | None, report: Path | None, iters: int) -> in
         (f"{vs_tiled:.2f}x tiled kernel", f">={SPEEDUP_VS_TILED:.2f}x and agrees",
          agrees and vs_tiled >= SPEEDUP_VS_TILED),
     ]  # fmt: skip
-    failed = 0
-    for check, (measured, target, ok) in zip(CHECKS, results, strict=True):
-        if dry:
-            print(f"dry run: would record {check!r}: {target}", flush=True)
-            continue
-        write_verdict(verdicts, check, measured, target, ok)
-        failed += int(not ok)
-    return failed
+    rows = [(check, *result) for check, result in zip(CHECKS, results, strict=True)]
+    return record_verdicts(verdicts, rows, dry)
 
 
 def main() -> int:

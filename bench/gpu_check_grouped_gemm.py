@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from gpu_check_common import matmul_ceiling_flops, time_per_call, write_verdict
+from gpu_check_common import matmul_ceiling_flops, record_verdicts, time_per_call
 from grouped_gemm import skewed_counts
 
 SPEEDUP_TARGET = 1.10
@@ -109,18 +109,14 @@ def run(dry: bool, verdicts: Path | None, report: Path | None, iters: int) -> in
     print(text, flush=True)
     if report is not None:
         report.write_text(text + "\n")
-    failed = 0
+    target = f">={SPEEDUP_TARGET:.2f}x torch._grouped_mm, >={CEILING_TARGET:.0%} of ceiling"
+    rows = []
     for check in CHECKS:
         speedup, frac, err = worst[check]
         ok = speedup >= SPEEDUP_TARGET and frac >= CEILING_TARGET and err <= 2e-2
         measured = f"{speedup:.2f}x torch, {frac:.0%} of ceiling, rel err {err:.0e}"
-        target = f">={SPEEDUP_TARGET:.2f}x torch._grouped_mm, >={CEILING_TARGET:.0%} of ceiling"
-        if dry:
-            print(f"dry run: would record {check!r}: {target}", flush=True)
-            continue
-        write_verdict(verdicts, check, measured, target, ok)
-        failed += int(not ok)
-    return failed
+        rows.append((check, measured, target, ok))
+    return record_verdicts(verdicts, rows, dry)
 
 
 def main() -> int:

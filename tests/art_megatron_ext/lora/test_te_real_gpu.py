@@ -11,8 +11,6 @@ skipped with the reason. It checks what the CPU tests take from `support/te_stan
 from __future__ import annotations
 
 import importlib.util
-import os
-import tempfile
 
 import pytest
 import torch
@@ -31,24 +29,11 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def world():
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from support.cuda_world import nccl_world_of_one
 
-    created = not torch.distributed.is_initialized()
-    if created:
-        rdzv = os.path.join(tempfile.mkdtemp(prefix="art_te_"), "rdzv")
-        torch.distributed.init_process_group(
-            "nccl", init_method=f"file://{rdzv}", rank=0, world_size=1
-        )
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with nccl_world_of_one("art_te_"):
+        torch.backends.cuda.matmul.allow_tf32 = False
         yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        if created:
-            torch.distributed.destroy_process_group()
 
 
 def _config():
