@@ -35,7 +35,6 @@ class LossTerms:
     loss_sum: torch.Tensor  # -sum(obj * weight) over this rank's trained tokens (has grad)
     weight_sum: torch.Tensor  # sum(weight) over them (float, no grad)
     tis_truncated: torch.Tensor  # trained tokens whose importance weight was truncated
-    tis_mean: torch.Tensor  # weight-averaged importance weight (after truncation)
 
 
 def packed_logprobs(model, packed, attention: str, temperature: torch.Tensor) -> torch.Tensor:
@@ -78,7 +77,8 @@ def loss_terms(
     mask = packed.assistant_mask
     behaviour = torch.nan_to_num(packed.logprobs, nan=0.0)
     proximal = lp.detach() if proximal is None else proximal.detach()
-    tis = torch.exp(proximal - behaviour).clamp(max=tis_cap)
+    behaviour_weight = torch.exp(proximal - behaviour)  # pi_prox / pi_behav, untruncated
+    tis = behaviour_weight.clamp(max=tis_cap)
     ratio = torch.exp(lp - proximal)
     adv = packed.advantages
     objective = tis * torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
@@ -87,8 +87,7 @@ def loss_terms(
     return LossTerms(
         loss_sum=-(objective * w).sum(),
         weight_sum=weight_sum,
-        tis_truncated=((torch.exp(proximal - behaviour) > tis_cap) & mask).sum(),
-        tis_mean=(tis * w).sum() / weight_sum.clamp(min=1e-12),
+        tis_truncated=((behaviour_weight > tis_cap) & mask).sum(),
     )
 
 
