@@ -7,12 +7,11 @@ plays the base layer. `SequentialMLP` experts (local spec) are real Megatron mod
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from support.fake_grouped import FakeColumnParallelGroupedLinear, FakeRowParallelGroupedLinear
 
 from art_megatron_ext.lora import LoraConfig, attach_lora, iter_lora_sites, zero_lora_padding_
 from art_megatron_ext.lora.export import export_peft
@@ -22,28 +21,6 @@ from art_megatron_ext.lora.slot_ops import import_peft
 
 HIDDEN, FFN, EXPERTS, RANK = 12, 10, 4, 3
 SPLITS = [3, 0, 5, 2]  # tokens per expert, one expert empty
-
-
-class FakeColumnParallelGroupedLinear(torch.nn.Module):
-    """Same call shape and attributes as Megatron's TEColumnParallelGroupedLinear."""
-
-    def __init__(self, num_gemms: int, in_features: int, out_features: int) -> None:
-        super().__init__()
-        self.num_gemms = num_gemms
-        self.config = SimpleNamespace(gated_linear_unit=True)
-        self.explicit_expert_comm = False
-        self.tp_group = None
-        for i in range(num_gemms):
-            w = torch.randn(out_features, in_features) / in_features**0.5
-            self.register_parameter(f"weight{i}", torch.nn.Parameter(w))
-
-    def forward(self, x, m_splits):
-        weights = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)])
-        return grouped_linear_ref(x, weights, m_splits), None
-
-
-class FakeRowParallelGroupedLinear(FakeColumnParallelGroupedLinear):
-    """Same call shape as Megatron's TERowParallelGroupedLinear."""
 
 
 def _model() -> torch.nn.Module:

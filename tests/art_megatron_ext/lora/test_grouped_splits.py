@@ -2,48 +2,28 @@
 
 Why: the grouped GEMM op converts a list of token counts into a device tensor on every call
 (a host-to-device copy that waits for the stream), and a grouped site runs two LoRA GEMMs per
-forward. The base stand-in below loops per expert and converts nothing, so every list
-conversion counted during a forward is the LoRA path's.
+forward. The base stand-in (`support.fake_grouped`) loops per expert and converts nothing,
+so every list conversion counted during a forward is the LoRA path's.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+from support.fake_grouped import FakeColumnParallelGroupedLinear
 
 from art_megatron_ext.lora import LoraConfig, attach_lora, iter_lora_sites
-from art_megatron_ext.lora.grouped import grouped_linear_ref
 from art_megatron_ext.lora.padding import logical_view
 
 HIDDEN, OUT, EXPERTS = 16, 24, 4
 SPLITS = [3, 0, 5, 2]
 
 
-class FakeColumnParallelGroupedLinear(torch.nn.Module):
-    """Call shape and attributes of Megatron's TEColumnParallelGroupedLinear."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.num_gemms = EXPERTS
-        self.config = SimpleNamespace(gated_linear_unit=False)
-        self.explicit_expert_comm = False
-        self.tp_group = None
-        for i in range(EXPERTS):
-            w = torch.randn(OUT, HIDDEN) / HIDDEN**0.5
-            self.register_parameter(f"weight{i}", torch.nn.Parameter(w))
-
-    def forward(self, x, m_splits):
-        weights = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)])
-        return grouped_linear_ref(x, weights, m_splits), None
-
-
 def _linear() -> torch.nn.Module:
     torch.manual_seed(0)
     experts = torch.nn.Module()
     experts.num_local_experts = EXPERTS
-    experts.linear_fc1 = FakeColumnParallelGroupedLinear()
+    experts.linear_fc1 = FakeColumnParallelGroupedLinear(EXPERTS, HIDDEN, OUT, gated=False)
     layer = torch.nn.Module()
     layer.layer_number = 1
     layer.mlp = torch.nn.Module()
