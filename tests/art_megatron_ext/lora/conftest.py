@@ -11,16 +11,7 @@ import tempfile
 
 import pytest
 import torch
-
-TINY_SHAPE = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    vocab_size=256,
-)
+from support.gpt_shapes import TINY as TINY_SHAPE
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.dist import run_ranks
-
-SMALL = dict(
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    vocab_size=64,
-)
+from support.gpt_shapes import SMALL
 
 
 def _is_host_copy(func, args, kwargs) -> bool:

@@ -22,25 +22,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from support.dist import run_ranks
+from support.gpt_shapes import SMALL
+from support.gpt_shapes import TINY as SHAPE
 
-SHAPE = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    vocab_size=256,
-)
-SMALL = dict(
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    vocab_size=64,
-)
 EXPERTS = 4
 STEPS = 2
 ATOL = 1e-6  # float32 reduction-order differences; a wrong reduction is off by O(|B|)
