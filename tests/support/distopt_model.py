@@ -58,7 +58,10 @@ def optimizer_builder(ddp, name: str, bf16: bool, lr: float, eps: float = 1e-8):
     return lambda params: get_megatron_optimizer(config, [ddp])
 
 
-def train_step(ddp, optimizer, step: int, rows: slice) -> None:
+def train_step(ddp, optimizer, step: int, rows: slice, mask_optimizer: bool = False) -> None:
+    """One step on `rows` of step `step`'s global batch. `mask_optimizer`: the padding is
+    zeroed in the optimizer's state too, before and after the step (`zero_lora_padding_` with
+    the optimizer); otherwise only in the parameters and grads, before the step."""
     from megatron.core.distributed import finalize_model_grads
 
     from art_megatron_ext.lora import zero_lora_padding_
@@ -71,9 +74,11 @@ def train_step(ddp, optimizer, step: int, rows: slice) -> None:
     loss = ddp(tokens[:, :-1], positions, causal_mask(SEQ), labels=tokens[:, 1:]).mean()
     loss.backward()
     finalize_model_grads([ddp])
-    zero_lora_padding_(ddp.module)
+    zero_lora_padding_(ddp.module, optimizer if mask_optimizer else None)
     ok, _, _ = optimizer.step()
     assert ok
+    if mask_optimizer:
+        zero_lora_padding_(ddp.module, optimizer)
 
 
 def wrap_overlapped(model, overlap: bool, bucket_size: int, weight_decay: float):

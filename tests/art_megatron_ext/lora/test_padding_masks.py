@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.distopt_model import SEQ, build, global_batch, optimizer_builder
+from support.distopt_model import build, optimizer_builder, train_step
 
 from art_megatron_ext import compat
 from art_megatron_ext.lora import iter_lora_sites, zero_lora_padding_
@@ -40,21 +40,8 @@ def _live_states(optimizer, param) -> dict:
 
 
 def _step(ddp, optimizer, step: int) -> None:
-    from megatron.core.distributed import finalize_model_grads
-
-    from art_megatron_ext.lora.cpu_runtime import causal_mask
-
-    tokens = global_batch(step)
-    positions = torch.arange(SEQ).expand(tokens.shape[0], SEQ)
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    loss = ddp(tokens[:, :-1], positions, causal_mask(SEQ), labels=tokens[:, 1:]).mean()
-    loss.backward()
-    finalize_model_grads([ddp])
-    zero_lora_padding_(ddp.module, optimizer)
-    ok, _, _ = optimizer.step()
-    assert ok
-    zero_lora_padding_(ddp.module, optimizer)
+    """One step on the whole global batch, padding zeroed in the optimizer's state too."""
+    train_step(ddp, optimizer, step, slice(None), mask_optimizer=True)
 
 
 @pytest.fixture()
