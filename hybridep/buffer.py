@@ -307,8 +307,12 @@ class Buffer:
                     f"{handle.pad_multiple}"
                 )
             self._check_hidden(hidden, handle.num_tokens, "tokens of the handle")
-        recv_hidden, recv_probs = self.backend.dispatch(hidden, probs, handle)
-        tokens, permuted_probs = self.backend.permute(recv_hidden, recv_probs, handle)
+        fused = getattr(self.backend, "dispatch_permute", None)
+        if fused is not None:  # e.g. CUDA: permutes straight from the registered area
+            tokens, permuted_probs = fused(hidden, probs, handle)
+        else:
+            recv_hidden, recv_probs = self.backend.dispatch(hidden, probs, handle)
+            tokens, permuted_probs = self.backend.permute(recv_hidden, recv_probs, handle)
         return tokens, permuted_probs, None, handle.tokens_per_expert, handle
 
     def combine_with_unpermute(
@@ -343,6 +347,9 @@ class Buffer:
             )
         if probs is not None:
             probs = probs.float()
+        fused = getattr(self.backend, "unpermute_combine", None)
+        if fused is not None:  # e.g. CUDA: unpermutes straight into the registered area
+            return fused(hidden, probs, handle)
         recv_hidden, recv_probs = self.backend.unpermute(hidden, probs, handle)
         return self.backend.combine(recv_hidden, recv_probs, handle)
 

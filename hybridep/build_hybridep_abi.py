@@ -11,7 +11,7 @@ import functools
 
 from hybridep import build as kbuild
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}
 SYMBOLS = (
     "art_hybridep_abi_version",
@@ -33,6 +33,9 @@ STATUS_WORDS = 4
 """int32 words of a buffer's status block (ART_HEP_STATUS_WORDS in hybridep.h)."""
 STATUS_BARRIER_TIMEOUT = 1
 """Word 0 after a barrier timed out; word 1 holds the first missing rank, word 2 the epoch."""
+STATUS_PEER_FAILED = 2
+"""Word 0 after a rank's call failed between barriers; word 1 holds that rank, word 2 the
+epoch of the barrier it aborted at."""
 _P = ctypes.c_void_p
 _I32, _I64, _U32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint32
 
@@ -47,9 +50,9 @@ class LayoutParams(_Versioned):
     _fields_ = [
         ("abi_version", _U32), ("struct_size", _U32), ("device", _I32), ("world_size", _I32),
         ("rank", _I32), ("num_tokens", _I32), ("num_local_experts", _I32),
-        ("pad_multiple", _I32), ("budget", _I64), ("global_map", _P), ("need", _P),
-        ("sparse_to_dense", _P), ("positions", _P), ("tokens_per_expert", _P),
-        ("overflow_flag", _P), ("scratch", _P), ("stream", _P),
+        ("pad_multiple", _I32), ("num_sms", _I32), ("reserved", _I32), ("budget", _I64),
+        ("global_map", _P), ("need", _P), ("sparse_to_dense", _P), ("positions", _P),
+        ("tokens_per_expert", _P), ("overflow_flag", _P), ("scratch", _P), ("stream", _P),
     ]  # fmt: skip
 
 
@@ -78,7 +81,7 @@ class IntraParams(_Versioned):
 class BarrierParams(_Versioned):
     _fields_ = [
         ("abi_version", _U32), ("struct_size", _U32), ("device", _I32), ("world_size", _I32),
-        ("rank", _I32), ("reserved", _I32), ("arrivals", _P), ("epoch", _P),
+        ("rank", _I32), ("abort_flag", _I32), ("arrivals", _P), ("epoch", _P),
         ("timeout_ns", _I64), ("status", _P), ("stream", _P),
     ]  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""Typed tunables of a `hybridep.Buffer` (SMs, blocks, pipeline stages, chunking).
+"""Typed tunables of a `hybridep.Buffer` (SMs, blocks, chunking, barrier timeout).
 
 Why a dataclass and not environment variables: the values change kernel launch shapes and
 (for the CUDA backend) the JIT cache key, so they must be visible, validated once, and passed
@@ -22,12 +22,10 @@ class HybridEPConfig:
         num_sms_dispatch: SMs the dispatch kernel spreads over (its grid is this many SMs
             times the blocks one SM holds); the other SMs stay free for overlapping compute.
         num_sms_combine: SMs of the combine kernel, likewise.
-        num_sms_preprocessing: CTAs of the routing-map scan (must not exceed the SM count:
-            its decoupled look-back needs every earlier block resident).
-        num_blocks_permute: blocks of the permute kernel (0 = one per SM).
-        num_blocks_unpermute: blocks of the unpermute kernel (0 = one per SM).
-        num_stages_dispatch: depth of the shared-memory token ring in dispatch.
-        num_stages_combine: depth of the shared-memory token ring in combine.
+        num_sms_preprocessing: SMs of the preprocessing's elementwise launches (the per-slot
+            rank bits and the final positions); its column scan is W + L blocks regardless.
+        num_blocks_permute: blocks of the permute kernel (0 = one per row, up to 65535).
+        num_blocks_unpermute: blocks of the unpermute kernel (0 = one per row, up to 65535).
         token_chunk: tokens per chunk; the maximum tokens per rank is rounded up to it.
         barrier_timeout_s: how long a cross-rank barrier of the CUDA backend waits for a late
             peer (e.g. one still writing a checkpoint) before the call fails naming the
@@ -40,8 +38,6 @@ class HybridEPConfig:
     num_sms_preprocessing: int = 32
     num_blocks_permute: int = 0
     num_blocks_unpermute: int = 0
-    num_stages_dispatch: int = 10
-    num_stages_combine: int = 10
     token_chunk: int = TOKEN_CHUNK
     barrier_timeout_s: float = 60.0
 

@@ -10,7 +10,7 @@
 
 #include "art_abi.h"
 
-#define ART_HYBRIDEP_ABI_VERSION 2u
+#define ART_HYBRIDEP_ABI_VERSION 3u
 
 // Zero rows: a pointer may be null exactly when its array has no element (PyTorch hands out
 // null data pointers for 0-byte CUDA tensors), and whether probs travel is an explicit flag,
@@ -21,9 +21,13 @@
 // device and read by the host without a synchronization. A nonzero word 0 is sticky: every
 // later cross-rank kernel of the buffer returns at once, so a late peer fails the call (the
 // host raises naming the missing rank) instead of trapping and killing the CUDA context.
+// A rank whose call failed between two barriers still reaches every barrier of the call, with
+// `abort_flag` set (ArtHepBarrierParams): its peers record ART_HEP_STATUS_PEER_FAILED naming
+// it, so nobody waits for a timeout and nobody trusts the rows of that call afterwards.
 enum ArtHepStatus : int32_t {
   ART_HEP_STATUS_OK = 0,
   ART_HEP_STATUS_BARRIER_TIMEOUT = 1,  // word 1: first missing rank, word 2: barrier epoch
+  ART_HEP_STATUS_PEER_FAILED = 2,      // word 1: first rank that aborted, word 2: barrier epoch
 };
 #define ART_HEP_STATUS_WORDS 4
 
@@ -37,6 +41,9 @@ struct ArtHepLayoutParams {
   int32_t num_tokens;         // T
   int32_t num_local_experts;  // L
   int32_t pad_multiple;       // P >= 1
+  int32_t num_sms;            // SM budget of the elementwise scans (HybridEPConfig
+                              // .num_sms_preprocessing); 0 = all. The column scan is W + L blocks.
+  int32_t reserved;           // 0
   int64_t budget;             // M in static-budget mode, -1 = blocking (no clamp)
   const uint8_t* global_map;  // [S, E] 0/1 bytes, slot-major (source rank, then token)
   uint8_t* need;              // out [S, W]: slot uses an expert of rank d
@@ -96,14 +103,16 @@ struct ArtHepIntraParams {
 
 // Cross-rank barrier: rank r stores its new epoch into arrivals[r] (an array in rank 0's
 // registered block) and waits until every arrivals[i] reaches it (monotonic, never reset).
-// On timeout it records the first missing rank in `status` and returns (no trap).
+// On timeout it records the first missing rank in `status` and returns (no trap). An aborting
+// rank posts its epoch with the top bit set; every rank (itself included) that sees it records
+// PEER_FAILED after the barrier completes.
 struct ArtHepBarrierParams {
   uint32_t abi_version;
   uint32_t struct_size;
   int32_t device;
   int32_t world_size;
   int32_t rank;
-  int32_t reserved;             // 0
+  int32_t abort_flag;           // 1: this rank's call failed; peers record PEER_FAILED
   unsigned long long* arrivals; // rank 0's arrivals[W], mapped into this process
   unsigned long long* epoch;    // this rank's own epoch word (device memory it alone uses)
   int64_t timeout_ns;           // %globaltimer budget of the spin (HybridEPConfig)

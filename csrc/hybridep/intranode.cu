@@ -45,17 +45,21 @@ __global__ void dispatch_kernel(
   }
 }
 
-constexpr int kCombineThreads = 512;  // 16 warps; one warp per token
-constexpr int kRankBatch = 8;         // peer rows loaded together before they are summed
+constexpr int kCombineThreads = 512;    // 16 warps; one warp per token
+constexpr int kCombineBlocksPerSm = 2;  // 32 resident warps per SM
+constexpr int kRankBatch = 4;           // peer rows loaded together before they are summed
 
 // Combine: one warp per own token (tokens spread over every warp of the grid). For each
-// 16-byte column chunk a lane first loads the chunk of every peer row of the token (up to
-// kRankBatch loads in flight, all ranks at once for an NVLink domain of 8), then sums them
-// in rank order in fp32 and stores once: the summation order of hybridep/movement.py, with
-// the ranks' loads overlapped instead of serialized. Rows whose pitch or base is not 16-byte
-// aligned take the one-element path.
+// 16-byte column chunk a lane first loads the chunk of up to kRankBatch peer rows of the
+// token, then sums them in rank order in fp32 and stores once: the summation order of
+// hybridep/movement.py, with the ranks' loads overlapped instead of serialized. Rows whose
+// pitch or base is not 16-byte aligned take the one-element path.
+// Occupancy: the launch bounds hold a thread to 64 registers so two blocks fit on an SM
+// (at 86 registers only one did, and each SM had 512 lanes x W x 16 B in flight at most).
+// kRankBatch = 4 is what fits in 64 without spilling (8 spilled ~170 bytes a thread); at
+// W <= 4 a lane still loads every rank at once, and twice the lanes are resident.
 template <typename T>
-__global__ void __launch_bounds__(kCombineThreads) combine_kernel(
+__global__ void __launch_bounds__(kCombineThreads, kCombineBlocksPerSm) combine_kernel(
     const int32_t* sparse, void* const* peer_tokens, void* const* peer_probs, T* out,
     float* out_probs, int world, int tokens, int L, int64_t H, int vec_ok,
     const int32_t* status) {
@@ -146,21 +150,31 @@ __device__ inline unsigned long long global_ns() {
 // Every rank posts its new epoch in arrivals[rank] (rank 0's block) and waits for all of
 // them. A rank missing after `timeout_ns` is recorded in the status block and the kernel
 // returns without advancing the epoch; later cross-rank kernels of the buffer then skip
-// their work and the host raises naming that rank (the CUDA context survives).
+// their work and the host raises naming that rank (the CUDA context survives). A rank whose
+// call failed posts its epoch with kAbortBit: everyone still passes the barrier (nobody waits
+// for a timeout), then records PEER_FAILED naming the first aborting rank, so later calls
+// raise instead of using rows that rank never wrote.
+constexpr unsigned long long kAbortBit = 1ull << 63;
+
 __global__ void barrier_kernel(unsigned long long* arrivals, unsigned long long* epoch, int world,
-                               int rank, long long timeout_ns, int32_t* status) {
+                               int rank, int abort_flag, long long timeout_ns, int32_t* status) {
   if (failed(status)) return;
   __threadfence_system();  // this rank's earlier writes (into peers) are visible first
   const unsigned long long target = *epoch + 1;
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(arrivals + rank), "l"(target)
+  const unsigned long long posted = abort_flag ? (target | kAbortBit) : target;
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(arrivals + rank), "l"(posted)
                : "memory");
   const unsigned long long start = global_ns();
+  int aborted = -1;
   for (int r = 0; r < world; ++r) {
     while (true) {
       unsigned long long seen;
       asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(seen) : "l"(arrivals + r)
                    : "memory");
-      if (seen >= target) break;
+      if ((seen & ~kAbortBit) >= target) {
+        if ((seen & kAbortBit) && aborted < 0) aborted = r;
+        break;
+      }
       if (static_cast<long long>(global_ns() - start) > timeout_ns) {
         volatile int32_t* s = status;
         s[1] = r;
@@ -175,6 +189,14 @@ __global__ void barrier_kernel(unsigned long long* arrivals, unsigned long long*
   }
   *epoch = target;
   __threadfence_system();
+  if (aborted >= 0) {
+    volatile int32_t* s = status;
+    s[1] = aborted;
+    s[2] = static_cast<int32_t>(target);
+    __threadfence_system();
+    s[0] = ART_HEP_STATUS_PEER_FAILED;
+    __threadfence_system();
+  }
 }
 
 // Scalars first; with no own token there is nothing to move (arrays may then be null).
@@ -226,11 +248,11 @@ ART_API int art_hybridep_combine(const ArtHepIntraParams* p) {
 ART_API int art_hybridep_barrier(const ArtHepBarrierParams* p) {
   ART_CHECK_PARAMS(p, ART_HYBRIDEP_ABI_VERSION);
   if (p->world_size < 1 || p->rank < 0 || p->rank >= p->world_size || !p->arrivals ||
-      !p->epoch || !p->status || p->timeout_ns <= 0)
+      !p->epoch || !p->status || p->timeout_ns <= 0 || (p->abort_flag != 0 && p->abort_flag != 1))
     return ART_ERR_BAD_ARGUMENT;
   if (cudaError_t e = cudaSetDevice(p->device); e != cudaSuccess) return e;
   barrier_kernel<<<1, 1, 0, static_cast<cudaStream_t>(p->stream)>>>(
-      p->arrivals, p->epoch, p->world_size, p->rank, p->timeout_ns, p->status);
+      p->arrivals, p->epoch, p->world_size, p->rank, p->abort_flag, p->timeout_ns, p->status);
   return cudaGetLastError();
 }
 

@@ -3,7 +3,9 @@
 // Four short launches, all on the device (no host sync, so the static-budget path can be
 // captured in a CUDA graph): (1) per-slot "needs rank d" bits, (2) one block per column
 // (W destination columns, L local-expert columns) scanning the S slots in order, (3) padded
-// expert block starts and counts, (4) final positions with the budget clamp.
+// expert block starts and counts, (4) final positions with the budget clamp. The elementwise
+// launches (1) and (4) spread over `num_sms` SMs (HybridEPConfig.num_sms_preprocessing, so
+// preprocessing can overlap compute on the other SMs); the scan is W + L blocks whatever it is.
 #include <cub/block/block_scan.cuh>
 
 #include "hybridep_common.cuh"
@@ -107,7 +109,7 @@ ART_API uint32_t art_hybridep_abi_version(void) { return ART_HYBRIDEP_ABI_VERSIO
 ART_API int art_hybridep_preprocess(const ArtHepLayoutParams* p) {
   ART_CHECK_PARAMS(p, ART_HYBRIDEP_ABI_VERSION);
   if (p->world_size < 1 || p->rank < 0 || p->rank >= p->world_size || p->num_tokens < 0 ||
-      p->num_local_experts < 1 || p->pad_multiple < 1)
+      p->num_local_experts < 1 || p->pad_multiple < 1 || p->num_sms < 0)
     return ART_ERR_BAD_ARGUMENT;
   const int W = p->world_size, L = p->num_local_experts;
   const int64_t slots = int64_t(W) * p->num_tokens;
@@ -119,8 +121,8 @@ ART_API int art_hybridep_preprocess(const ArtHepLayoutParams* p) {
   if (cudaError_t e = cudaSetDevice(p->device); e != cudaSuccess) return e;
   auto stream = static_cast<cudaStream_t>(p->stream);
   if (slots > 0) {
-    need_kernel<<<grid_for(slots * W, 256, 4096), 256, 0, stream>>>(p->global_map, p->need,
-                                                                     slots, W, L);
+    need_kernel<<<grid_for_sms(need_kernel, 256, p->num_sms, slots * W, 256), 256, 0,
+                  stream>>>(p->global_map, p->need, slots, W, L);
   }
   column_scan_kernel<<<W + L, kScanThreads, 0, stream>>>(
       p->global_map, p->need, p->sparse_to_dense, p->positions, p->scratch, W, p->rank,
@@ -128,8 +130,8 @@ ART_API int art_hybridep_preprocess(const ArtHepLayoutParams* p) {
   starts_kernel<<<1, 32, 0, stream>>>(p->scratch, p->tokens_per_expert, p->overflow_flag, L,
                                       p->pad_multiple, p->budget);
   if (slots > 0) {
-    positions_kernel<<<grid_for(slots * L, 256, 4096), 256, 0, stream>>>(
-        p->positions, p->scratch, p->overflow_flag, slots, L, p->budget);
+    positions_kernel<<<grid_for_sms(positions_kernel, 256, p->num_sms, slots * L, 256), 256, 0,
+                       stream>>>(p->positions, p->scratch, p->overflow_flag, slots, L, p->budget);
   }
   return cudaGetLastError();
 }

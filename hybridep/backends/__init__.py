@@ -39,6 +39,12 @@ class BarrierTimeout(RuntimeError):
     failed, the process and its CUDA context did not. The buffer must be rebuilt."""
 
 
+class PeerFailed(RuntimeError):
+    """A rank's collective call raised (that rank is named); it still passed the call's
+    barriers, flagged, so nobody hung, but the rows of that call are not trustworthy on any
+    rank. Raised by the next call of every rank; the buffer must be rebuilt."""
+
+
 @dataclass(frozen=True)
 class BufferSpec:
     """The sizes a backend is built for (fixed for the buffer's lifetime)."""
@@ -118,6 +124,10 @@ class HybridEPBackend(Protocol):
         """Collective: hold up to `max_num_of_tokens_per_rank` tokens per rank from now on."""
         ...
 
+    # Optional fused steps (Buffer uses them when a backend defines them; results must equal
+    # the composition): `dispatch_permute(hidden, probs, handle)` = permute(dispatch(...)),
+    # `unpermute_combine(tokens, probs, handle)` = combine(unpermute(...)).
+
 
 def _load(name: str) -> type:
     module_name, class_name = _BACKEND_CLASSES[name]
@@ -174,6 +184,7 @@ __all__ = [
     "BarrierTimeout",
     "BufferSpec",
     "HybridEPBackend",
+    "PeerFailed",
     "cuda_unavailable_reason",
     "select_backend",
 ]

@@ -46,6 +46,7 @@ kernels) are required.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import shutil
@@ -58,7 +59,7 @@ import torch.distributed as dist
 
 from hybridep import build as kbuild
 from hybridep import build_hybridep_abi as abi
-from hybridep.backends import BackendUnavailable, BarrierTimeout, BufferSpec
+from hybridep.backends import BackendUnavailable, BarrierTimeout, BufferSpec, PeerFailed
 from hybridep.handle import DispatchHandle
 
 _ALIGN = 256
@@ -247,12 +248,27 @@ class CudaBackend:
         )
         self._allocate()
 
-    def _view(self, rank: int, region: str, nbytes: int) -> torch.Tensor:
-        """uint8 view of `nbytes` of `rank`'s region (mapped into this process)."""
+    def _view(self, region: str, nbytes: int) -> torch.Tensor:
+        """uint8 view of `nbytes` of this rank's own `region` (its own allocation, so torch
+        sees a pointer of this device). Peers' regions are never wrapped as tensors: torch
+        would ask the driver which device owns the pointer and open a context on every peer
+        GPU; they are read with `_peer_bytes` instead."""
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.torch_device)
-        ptr = self._bases[rank] + self._offsets[region]
+        ptr = self._own + self._offsets[region]
         return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=self.torch_device)
+
+    def _peer_bytes(self, rank: int, region: str, nbytes: int, offset: int = 0) -> torch.Tensor:
+        """A copy (on this device, stream-ordered, no host sync) of `nbytes` of `rank`'s
+        `region` from `offset`, through `art_hybridep_memcpy_d2d` on the mapped pointer."""
+        out = torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
+        if nbytes:
+            src = self._bases[rank] + self._offsets[region] + offset
+            status = self.lib.art_hybridep_memcpy_d2d(
+                self.device, out.data_ptr(), src, nbytes, self._stream()
+            )
+            self._check(status, f"memcpy from rank {rank}'s {region}")
+        return out
 
     def _check(self, status: int, what: str) -> None:
         if status != 0:
@@ -261,8 +277,9 @@ class CudaBackend:
             )
 
     def check_status(self) -> None:
-        """Raise `BarrierTimeout` if a barrier of this buffer gave up (no synchronization:
-        the device writes the status block in pinned host memory)."""
+        """Raise `BarrierTimeout` or `PeerFailed` if a barrier of this buffer recorded a
+        failure (no synchronization: the device writes the status block in pinned host
+        memory)."""
         if self._closed:
             raise RuntimeError("hybridep cuda: the buffer is closed; build a new one")
         status = self._status.tolist()
@@ -274,17 +291,25 @@ class CudaBackend:
                 "unusable: close() it on every rank and build a new one (raise "
                 "HybridEPConfig.barrier_timeout_s if ranks are legitimately that far apart)"
             )
+        if status[0] == abi.STATUS_PEER_FAILED:
+            raise PeerFailed(
+                f"hybridep cuda: rank {status[1]}'s call failed (it raised; see its log) at "
+                f"barrier epoch {status[2]}, so the rows of that call are not trustworthy on "
+                f"rank {self.rank}. This buffer is unusable: close() it on every rank and "
+                "build a new one"
+            )
         if status[0] != 0:
             raise RuntimeError(f"hybridep cuda: unknown status {status} on rank {self.rank}")
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    def _barrier(self) -> None:
+    def _barrier(self, abort: bool = False) -> None:
         params = abi.BarrierParams.make(
             device=self.device,
             world_size=self.world_size,
             rank=self.rank,
+            abort_flag=int(abort),
             arrivals=self._bases[0] + self._offsets["header"] + _ARRIVALS_OFFSET,
             epoch=self._own + self._offsets["header"] + _EPOCH_OFFSET,
             timeout_ns=int(self.spec.config.barrier_timeout_s * 1e9),
@@ -293,12 +318,36 @@ class CudaBackend:
         )
         self._check(self.lib.art_hybridep_barrier(ctypes.byref(params)), "barrier")
 
-    # -- preprocessing -------------------------------------------------------------------
-    def _token_count(self, rank: int) -> torch.Tensor:
-        """int64 [1] view of the token count `rank` published in its header."""
-        header = self._view(rank, "header", _TOKENS_OFFSET + 8)
-        return header[_TOKENS_OFFSET:].view(torch.int64)
+    @contextlib.contextmanager
+    def _fenced(self, barriers: int):
+        """The work of one collective call that passes `barriers` cross-rank barriers
+        (yielded as a function to call at each). If the work raises anywhere, even before
+        its first barrier, this rank still passes every barrier it has not reached, flagged
+        as aborting: peers never wait for a timeout, and every rank records `PeerFailed` so
+        their next call raises instead of using rows this rank never wrote. The original
+        exception propagates.
 
+        Argument checks run before it: a refused input touches nothing and costs no barrier,
+        so the buffer stays usable (a program refused on one rank only leaves its peers at
+        their first barrier until `barrier_timeout_s`, naming this rank)."""
+        passed = 0
+
+        def barrier() -> None:
+            nonlocal passed
+            passed += 1  # counted first: a barrier that failed to launch is not retried
+            self._barrier()
+
+        try:
+            yield barrier
+        except BaseException:
+            for _ in range(barriers - passed):
+                with contextlib.suppress(Exception):  # the original error is the one to see
+                    self._barrier(abort=True)
+            raise
+        if passed != barriers:
+            raise AssertionError(f"hybridep cuda: a call passed {passed} of {barriers} barriers")
+
+    # -- preprocessing -------------------------------------------------------------------
     def preprocess(
         self, routing_map: torch.Tensor, *, pad_multiple: int, num_permuted_tokens: int | None
     ) -> DispatchHandle:
@@ -314,14 +363,21 @@ class CudaBackend:
             raise ValueError(
                 f"hybridep cuda: {tokens} tokens exceed the buffer's {self.max_tokens} per rank"
             )
-        dev = self.torch_device
-        map_bytes = routing_map.to(dev).contiguous().view(torch.uint8).reshape(-1)
-        self._token_count(rank).fill_(tokens)  # a device fill: no host-to-device copy
-        self._view(rank, "map", map_bytes.numel()).copy_(map_bytes)
-        self._barrier()  # every rank's map and count are in place
-        counts = torch.cat([self._token_count(r) for r in range(world)])
-        global_map = torch.cat([self._view(r, "map", map_bytes.numel()) for r in range(world)])
-        self._barrier()  # every rank has read every map before any is overwritten
+        with self._fenced(2) as barrier:
+            dev = self.torch_device
+            map_bytes = routing_map.to(dev).contiguous().view(torch.uint8).reshape(-1)
+            header = self._view("header", _TOKENS_OFFSET + 8)
+            header[_TOKENS_OFFSET:].view(torch.int64).fill_(tokens)  # a device fill
+            self._view("map", map_bytes.numel()).copy_(map_bytes)
+            barrier()  # every rank's map and count are in place
+            counts = torch.cat([
+                self._peer_bytes(r, "header", 8, offset=_TOKENS_OFFSET).view(torch.int64)
+                for r in range(world)
+            ])  # fmt: skip
+            global_map = torch.cat(
+                [self._peer_bytes(r, "map", map_bytes.numel()) for r in range(world)]
+            )
+            barrier()  # every rank has read every map before any is overwritten
         static = num_permuted_tokens is not None
         if not static:  # blocking: counts are read on the host, as the torch backend does
             host_counts = counts.tolist()
@@ -335,6 +391,7 @@ class CudaBackend:
         layout = compute_layout(
             self.lib, global_map.view(world, tokens, experts), rank, num_local, pad_multiple,
             int(num_permuted_tokens) if static else None,
+            num_sms=self.spec.config.num_sms_preprocessing,
         )  # fmt: skip
         need, sparse, positions = layout["need"], layout["sparse_to_dense"], layout["positions"]
         tokens_per_expert, overflow = layout["tokens_per_expert"], layout["overflow_flag"]
@@ -375,53 +432,105 @@ class CudaBackend:
             stream=self._stream(),
         )  # fmt: skip
 
+    def _received(self, handle: DispatchHandle, dtype: torch.dtype, with_probs: bool):
+        """This rank's receive rows `[N, H]` (+ `[N, L]` fp32) as views of its registered
+        area: valid until the next collective call of this buffer."""
+        rows, width, num_local = (
+            handle.num_recv_rows,
+            handle.hidden_dim,
+            handle.num_experts_per_rank,
+        )
+        recv = self._view("tokens", rows * width * 2).view(dtype).view(rows, width)
+        if not with_probs:
+            return recv, None
+        return recv, self._view("probs", rows * num_local * 4).view(torch.float32).view(
+            rows, num_local
+        )
+
+    def _push(self, hidden, probs, handle: DispatchHandle) -> tuple:
+        """The dispatch collective: every rank's rows land in the receive areas. Returns
+        the contiguous inputs (kept alive by the caller until the kernel ran)."""
+        self.check_status()
+        check_moved_dtype(hidden.dtype)
+        with self._fenced(2) as barrier:
+            hidden = hidden.contiguous()
+            probs = None if probs is None else probs.float().contiguous()
+            sms = self.spec.config.num_sms_dispatch
+            params = self._intra(handle, hidden, probs, hidden.dtype, sms)
+            barrier()  # peers are done with their receive rows' previous contents
+            self._check(self.lib.art_hybridep_dispatch(ctypes.byref(params)), "dispatch")
+            barrier()  # every row has landed
+        return hidden, probs
+
     def dispatch(
         self, hidden: torch.Tensor, probs: torch.Tensor | None, handle: DispatchHandle
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        check_moved_dtype(hidden.dtype)
-        self.check_status()
-        hidden = hidden.contiguous()
-        probs = None if probs is None else probs.float().contiguous()
-        params = self._intra(handle, hidden, probs, hidden.dtype, self.spec.config.num_sms_dispatch)
-        self._barrier()  # peers are done with their receive rows' previous contents
-        self._check(self.lib.art_hybridep_dispatch(ctypes.byref(params)), "dispatch")
-        self._barrier()  # every row has landed
-        rows, width, num_local = handle.num_recv_rows, hidden.shape[1], handle.num_experts_per_rank
-        nbytes = rows * width * hidden.element_size()
-        recv = self._view(self.rank, "tokens", nbytes).clone().view(hidden.dtype).view(rows, width)
-        if probs is None:
-            return recv, None
-        recv_probs = self._view(self.rank, "probs", rows * num_local * 4).clone()
-        return recv, recv_probs.view(torch.float32).view(rows, num_local)
+        hidden, probs = self._push(hidden, probs, handle)
+        recv, recv_probs = self._received(handle, hidden.dtype, probs is not None)
+        # copies: the caller keeps these past the next call, which reuses the area
+        return recv.clone(), None if recv_probs is None else recv_probs.clone()
+
+    def dispatch_permute(
+        self, hidden: torch.Tensor, probs: torch.Tensor | None, handle: DispatchHandle
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """dispatch then permute, the permute reading the receive rows straight from the
+        registered area (no copy of them): stream order finishes it before this rank's next
+        barrier, so no peer overwrites the rows while they are read."""
+        hidden, probs = self._push(hidden, probs, handle)
+        return self.permute(*self._received(handle, hidden.dtype, probs is not None), handle)
+
+    def _combine_outputs(self, out_dtype: torch.dtype, width: int, with_probs: bool, handle):
+        """Fresh `[T, H]` (+ `[T, E]` fp32) tensors combine writes into."""
+        dev = self.torch_device
+        out = torch.empty(handle.num_tokens, width, dtype=out_dtype, device=dev)
+        out_probs = None
+        if with_probs:
+            out_probs = torch.empty(
+                handle.num_tokens, handle.num_experts, dtype=torch.float32, device=dev
+            )
+        return out, out_probs
 
     def combine(
         self, hidden: torch.Tensor, probs: torch.Tensor | None, handle: DispatchHandle
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # the dtype decides the bytes copied into the registered area: check it first
-        check_moved_dtype(hidden.dtype)
+        def stage():
+            staged = hidden.contiguous().view(torch.uint8).reshape(-1)
+            self._view("tokens", staged.numel()).copy_(staged)
+            if probs is not None:
+                flat = probs.float().contiguous().view(torch.uint8).reshape(-1)
+                self._view("probs", flat.numel()).copy_(flat)
+
+        return self._combine(stage, hidden.dtype, hidden.shape[1], probs is not None, handle)
+
+    def unpermute_combine(
+        self, tokens: torch.Tensor, probs: torch.Tensor | None, handle: DispatchHandle
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """unpermute straight into the registered area (its rows to return), then combine:
+        no staging copy."""
+
+        def stage():
+            recv, recv_probs = self._received(handle, tokens.dtype, probs is not None)
+            unpermute_rows(
+                self.lib, tokens, probs, handle.dense_to_expert_map,
+                max_blocks=self.spec.config.num_blocks_unpermute, out=(recv, recv_probs),
+            )  # fmt: skip
+
+        return self._combine(stage, tokens.dtype, tokens.shape[1], probs is not None, handle)
+
+    def _combine(self, stage, dtype, width: int, with_probs: bool, handle: DispatchHandle):
+        """`stage()` writes this rank's rows to return into its registered area (after the
+        previous call's last barrier, no peer reads or writes it), then every rank pulls."""
         self.check_status()
-        hidden = hidden.contiguous()
-        rows = handle.num_recv_rows
-        self._view(self.rank, "tokens", hidden.numel() * hidden.element_size()).copy_(
-            hidden.view(torch.uint8).reshape(-1)
-        )
-        if probs is not None:
-            probs = probs.float().contiguous()
-            self._view(self.rank, "probs", rows * handle.num_experts_per_rank * 4).copy_(
-                probs.view(torch.uint8).reshape(-1)
-            )
-        out = torch.empty(
-            handle.num_tokens, hidden.shape[1], dtype=hidden.dtype, device=hidden.device
-        )
-        out_probs = None
-        if probs is not None:
-            out_probs = torch.empty(
-                handle.num_tokens, handle.num_experts, dtype=torch.float32, device=hidden.device
-            )
-        params = self._intra(handle, out, out_probs, hidden.dtype, self.spec.config.num_sms_combine)
-        self._barrier()  # every rank's rows to return are staged
-        self._check(self.lib.art_hybridep_combine(ctypes.byref(params)), "combine")
-        self._barrier()  # every rank has pulled before any staging area is reused
+        # the dtype decides the bytes written into the registered area: refused before it
+        check_moved_dtype(dtype)
+        with self._fenced(2) as barrier:
+            stage()
+            out, out_probs = self._combine_outputs(dtype, width, with_probs, handle)
+            sms = self.spec.config.num_sms_combine
+            params = self._intra(handle, out, out_probs, dtype, sms)
+            barrier()  # every rank's rows to return are staged
+            self._check(self.lib.art_hybridep_combine(ctypes.byref(params)), "combine")
+            barrier()  # every rank has pulled before any area is reused
         return out, out_probs
 
     # -- local permutation ---------------------------------------------------------------
@@ -466,9 +575,10 @@ def _stream_of(device: torch.device) -> int:
 
 def compute_layout(
     lib, global_map: torch.Tensor, rank: int, num_local: int, pad_multiple: int,
-    budget: int | None,
+    budget: int | None, num_sms: int = 0,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
-    """The scan kernels on `global_map` (bool/uint8 [W, T, E] on the GPU) as rank `rank`.
+    """The scan kernels on `global_map` (bool/uint8 [W, T, E] on the GPU) as rank `rank`;
+    `num_sms` caps the elementwise launches' SMs (0: all; `num_sms_preprocessing`).
 
     Returns need [W*T, W] uint8, sparse_to_dense [T, W] int32, positions [W*T, L] int32
     (all slots), tokens_per_expert [L] int64 and overflow_flag [1] int32, all on the GPU.
@@ -487,7 +597,7 @@ def compute_layout(
     gmap = global_map.contiguous().view(torch.uint8)
     params = abi.LayoutParams.make(
         device=_device_index(dev), world_size=world, rank=rank, num_tokens=tokens,
-        num_local_experts=num_local, pad_multiple=pad_multiple,
+        num_local_experts=num_local, pad_multiple=pad_multiple, num_sms=num_sms,
         budget=-1 if budget is None else int(budget), global_map=_ptr(gmap),
         need=_ptr(out["need"]), sparse_to_dense=_ptr(out["sparse_to_dense"]),
         positions=_ptr(out["positions"]), tokens_per_expert=_ptr(out["tokens_per_expert"]),
@@ -522,18 +632,29 @@ def permute_rows(lib, recv_hidden, recv_probs, positions, num_permuted: int, max
     return tokens, probs
 
 
-def unpermute_rows(lib, tokens, probs, positions, max_blocks: int = 0):
+def unpermute_rows(lib, tokens, probs, positions, max_blocks: int = 0, out=None):
     """Expert-major [M, H] (+ [M]) -> receive rows [N, H] (fp32 sum over local experts in
-    index order, rounded once) (+ [N, L])."""
+    index order, rounded once) (+ [N, L]).
+
+    `out` = (rows [N, H], probs [N, L] or None): contiguous tensors to write into instead of
+    fresh ones (the CUDA backend passes views of its registered area)."""
     tokens = tokens.contiguous()
     probs = None if probs is None else probs.float().contiguous()
     positions = positions.contiguous()
     rows, num_local = positions.shape
     dev = tokens.device
-    recv = torch.empty(rows, tokens.shape[1], dtype=tokens.dtype, device=dev)
-    recv_probs = None
-    if probs is not None:
-        recv_probs = torch.empty(rows, num_local, dtype=torch.float32, device=dev)
+    if out is None:
+        recv = torch.empty(rows, tokens.shape[1], dtype=tokens.dtype, device=dev)
+        recv_probs = None
+        if probs is not None:
+            recv_probs = torch.empty(rows, num_local, dtype=torch.float32, device=dev)
+    else:
+        recv, recv_probs = out
+        want = (rows, tokens.shape[1])
+        if tuple(recv.shape) != want or recv.dtype != tokens.dtype or not recv.is_contiguous():
+            raise ValueError(f"unpermute_rows: out rows must be contiguous {want} {tokens.dtype}")
+        if (probs is None) != (recv_probs is None):
+            raise ValueError("unpermute_rows: out probs must be given exactly when probs are")
     params = abi.PermuteParams.make(
         device=_device_index(dev), dtype=_dtype_code(tokens.dtype), num_recv_rows=rows,
         num_permuted=tokens.shape[0], hidden_dim=tokens.shape[1], num_local_experts=num_local,

@@ -161,6 +161,33 @@ def test_hybridep_abi_checks_run_without_a_gpu(hybridep_lib):
     assert lib.art_hybridep_permute(ctypes.byref(no_pointers)) == 10002
     barrier = abi.BarrierParams.make(world_size=2, timeout_ns=0)
     assert lib.art_hybridep_barrier(ctypes.byref(barrier)) == 10002
+    pointers = dict(arrivals=8, epoch=8, status=8, timeout_ns=1, world_size=2)
+    not_a_flag = abi.BarrierParams.make(**pointers, abort_flag=2)
+    assert lib.art_hybridep_barrier(ctypes.byref(not_a_flag)) == 10002
+    negative_sms = abi.LayoutParams.make(**good, num_sms=-1)
+    assert lib.art_hybridep_preprocess(ctypes.byref(negative_sms)) == 10002
+
+
+def test_hybridep_kernels_do_not_spill_and_combine_fits_two_blocks_per_sm(hybridep_lib):
+    """Combine is held to 64 registers (launch bounds: two 512-thread blocks per SM) and no
+    HybridEP kernel spills to local memory, so the occupancy the launch asks for is real."""
+    import re
+    import subprocess
+
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's)")
+    usage = subprocess.run(
+        [tool, "--dump-resource-usage", str(hybridep_lib.path)], capture_output=True, text=True,
+        check=True,
+    ).stdout  # fmt: skip
+    kernels = re.findall(
+        r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage
+    )
+    combine = [(name, int(reg)) for name, reg, _, _ in kernels if "combine_kernel" in name]
+    assert len(combine) == 3, usage  # bf16, fp16, fp32
+    assert all(reg <= 64 for _, reg in combine), combine
+    assert [(n, st, lo) for n, _, st, lo in kernels if st != "0" or lo != "0"] == []
 
 
 def test_hybridep_library_is_refused_for_another_arch(hybridep_lib):

@@ -212,22 +212,48 @@ class _Registered:
         ]  # fmt: skip
 
 
-def _emulated_backends(world: int, lib, max_tokens: int = 32):
-    import threading
+class _EmulatedBarrier:
+    """The device barrier's protocol on threads: every rank waits for all; a rank posting
+    `abort` makes every rank record PEER_FAILED naming it once the barrier completes (what
+    barrier_kernel does). `log` keeps (rank, abort) per call."""
 
+    def __init__(self, world: int, statuses: list[torch.Tensor]) -> None:
+        import threading
+
+        self.gate = threading.Barrier(world, timeout=20)
+        self.statuses, self.log, self.aborted = statuses, [], []
+
+    def __call__(self, rank: int, abort: bool = False) -> None:
+        from hybridep import build_hybridep_abi as abi
+
+        self.log.append((rank, abort))
+        if abort:
+            self.aborted.append(rank)
+        self.gate.wait()
+        if self.aborted:
+            self.statuses[rank][:2] = torch.tensor([abi.STATUS_PEER_FAILED, min(self.aborted)])
+        self.gate.wait()
+
+
+def _emulated_backends(world: int, lib, max_tokens: int = 32):
     from hybridep.backends import BufferSpec
 
     spec = BufferSpec(hidden_dim=16, max_num_of_tokens_per_rank=max_tokens, num_local_experts=2)
     shared = _Registered(world, spec)
-    gate = threading.Barrier(world)
+    statuses = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
+    barrier = _EmulatedBarrier(world, statuses)
     ranks = []
     for rank in range(world):
         b = object.__new__(backend.CudaBackend)
         b.spec, b.rank, b.world_size, b.device = spec, rank, world, 0
         b.torch_device, b.lib, b.max_tokens = torch.device("cpu"), lib, shared.max_tokens
-        b._closed, b._status = False, torch.zeros(4, dtype=torch.int32)
-        b._view = lambda r, region, n, s=shared: s.regions[r][region][:n]
-        b._barrier = gate.wait
+        b._closed, b._status = False, statuses[rank]
+        b._view = lambda region, n, s=shared, r=rank: s.regions[r][region][:n]
+        b._peer_bytes = lambda r, region, n, offset=0, s=shared: s.regions[r][region][
+            offset : offset + n
+        ].clone()
+        b._barrier = lambda abort=False, r=rank: barrier(r, abort)
+        b.emulated_barrier = barrier
         ranks.append(b)
     return ranks
 
@@ -296,11 +322,12 @@ def test_cuda_preprocess_uneven_counts_set_the_overflow_flag_with_a_budget(fake)
 
 def test_fp32_is_refused_before_anything_is_copied_into_registered_memory(fake):
     """The token area holds 2-byte elements: an fp32 combine (or dispatch) must fail on its
-    dtype before N*H*4 bytes are written into it."""
+    dtype before N*H*4 bytes are written into it, and before any barrier, so the buffer
+    stays usable."""
     (b,) = _emulated_backends(1, fake)
 
-    def tripwire(*args):
-        raise AssertionError("registered memory touched before the dtype check")
+    def tripwire(*args, **kwargs):
+        raise AssertionError("registered memory or a barrier touched before the dtype check")
 
     b._view, b._barrier = tripwire, tripwire
     hidden = torch.zeros(4, 16, dtype=torch.float32)
@@ -308,6 +335,34 @@ def test_fp32_is_refused_before_anything_is_copied_into_registered_memory(fake):
         b.combine(hidden, None, None)
     with pytest.raises(ValueError, match="16-bit hidden states"):
         b.dispatch(hidden, None, None)
+    with pytest.raises(ValueError, match="16-bit hidden states"):
+        b.unpermute_combine(hidden, None, None)
+
+
+def test_a_rank_that_fails_mid_call_still_passes_every_barrier_and_its_peers_learn_it(fake):
+    """Rank 0's preprocess fails between its two barriers (its read of a peer's map fails);
+    rank 1's call does not hang (rank 0 passes the second barrier flagged as aborting), and
+    every rank's next call raises naming rank 0 instead of using a layout rank 0 never
+    finished."""
+    from hybridep.backends import PeerFailed
+
+    ranks = _emulated_backends(2, fake)
+
+    def failing_read(*args, **kwargs):
+        raise RuntimeError("hybridep CUDA memcpy from rank 1's map failed with status 700")
+
+    ranks[0]._peer_bytes = failing_read
+    out = _run_threads([
+        (lambda b=b: b.preprocess(_routing(6, 2, b.rank), pad_multiple=1, num_permuted_tokens=48))
+        for b in ranks
+    ])  # fmt: skip
+    assert isinstance(out[0], RuntimeError) and "status 700" in str(out[0]), out[0]
+    assert not isinstance(out[1], Exception), out[1]
+    log = ranks[0].emulated_barrier.log
+    assert sorted(log) == [(0, False), (0, True), (1, False), (1, False)]
+    for b in ranks:
+        with pytest.raises(PeerFailed, match=r"rank 0's call failed.*close\(\) it on every rank"):
+            b.preprocess(_routing(6, 2, 1), pad_multiple=1, num_permuted_tokens=48)
 
 
 def test_barrier_timeout_status_fails_the_call_naming_the_missing_rank(fake):
