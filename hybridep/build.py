@@ -10,11 +10,14 @@ without nvcc): sha256 over the library name, every source and local header byte,
 the target arch and the spec's version tags (e.g. the CUTLASS version read from its headers).
 An entry `<cache_dir>/<name>-<key16>/` holds `lib<name>.so` and `meta.json`, which records
 what the key cannot know beforehand: the sha256 and size of the library, its exported symbols,
-the nvcc version that built it, and the sha256 of every external header the compiler actually
-read (nvcc `-MD`). A cache hit is used only if all of these still hold: the library's digest
-(a truncated or replaced file would crash `dlopen` with SIGBUS), the spec's symbols, the
-headers (an edited or upgraded CUTLASS tree), and, when nvcc is on PATH, its version. Anything
-else is a corrupt or stale entry: it is rebuilt with a message naming the reason.
+the nvcc that built it (its CUDA release, major.minor, and its full build string), and the
+sha256 of every external header the compiler actually read (nvcc `-MD`). A cache hit is used
+only if all of these still hold: the library's digest (a truncated or replaced file would
+crash `dlopen` with SIGBUS), the spec's symbols, the headers (an edited or upgraded CUTLASS
+tree), the arch, and, when nvcc is on PATH, its release (another build string of the same
+release is the same compiler for our purpose: cudart is linked statically and the machine
+code is fixed by the arch). Anything else is a corrupt or stale entry: it is rebuilt with a
+message naming the reason.
 
 Several ranks may build at once: they serialise on a file lock beside the entry, the first
 builds into a per-process temporary directory and renames the library into place atomically,
@@ -29,6 +32,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -151,8 +155,48 @@ def _nvcc_exe(nvcc: str) -> str | None:
     return shutil.which(nvcc)
 
 
+@dataclass(frozen=True)
+class NvccVersion:
+    """What `nvcc --version` says: the release decides cache validity, the build is recorded."""
+
+    release: str
+    """major.minor, e.g. "13.0": what a cached library must match (see `_verify_entry`)."""
+    build: str
+    """The last line, e.g. "Build cuda_13.0.r13.0/compiler.36424714_0" (for the record only)."""
+
+
+_RELEASE_PATTERNS = (
+    re.compile(r"\brelease (\d+)\.(\d+)\b"),  # "Cuda compilation tools, release 13.0, V13.0.88"
+    re.compile(r"\bV(\d+)\.(\d+)\.\d+"),  # the same line's full version
+    re.compile(r"\bcuda_(\d+)\.(\d+)\b"),  # "Build cuda_13.0.r13.0/...": all a META 2 entry has
+)
+
+
+def parse_nvcc_release(text: str) -> str | None:
+    """major.minor of the CUDA release in `nvcc --version` output (or in its last line alone,
+    which is what entries written before `nvcc_release` existed record); None if absent."""
+    for pattern in _RELEASE_PATTERNS:
+        found = pattern.search(text)
+        if found:
+            return f"{int(found.group(1))}.{int(found.group(2))}"
+    return None
+
+
+def parse_nvcc_version(text: str, exe: str = "nvcc") -> NvccVersion:
+    """`NvccVersion` of `nvcc --version` output; a `KernelBuildError` quoting it if no release
+    can be read from it (nothing is built or reused on a guess)."""
+    lines = text.strip().splitlines()
+    release = parse_nvcc_release(text)
+    if release is None or not lines:
+        raise KernelBuildError(
+            f'cannot read the CUDA release ("release X.Y") from `{exe} --version`; it printed: '
+            f"{text.strip()!r}"
+        )
+    return NvccVersion(release=release, build=lines[-1].strip())
+
+
 @functools.lru_cache(maxsize=8)
-def nvcc_version(nvcc: str = "nvcc") -> str:
+def nvcc_version(nvcc: str = "nvcc") -> NvccVersion:
     exe = _nvcc_exe(nvcc)
     if exe is None:
         raise KernelBuildError(
@@ -160,7 +204,7 @@ def nvcc_version(nvcc: str = "nvcc") -> str:
             "BuildConfig(nvcc=...)"
         )
     out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True)
-    return out.stdout.strip().splitlines()[-1]
+    return parse_nvcc_version(out.stdout, exe)
 
 
 def _torch_version() -> str:
@@ -348,8 +392,22 @@ def _verify_entry(
             raise _StaleEntry(f"header {path} it was built with is gone")
         if _file_digest(path) != header_digest:
             raise _StaleEntry(f"header {path} changed since the library was built")
-    if _nvcc_exe(config.nvcc) is not None and nvcc_version(config.nvcc) != built_with:
-        raise _StaleEntry(f"built by {built_with!r}, nvcc on PATH is {nvcc_version(config.nvcc)!r}")
+    if arch != config.arch:
+        raise _StaleEntry(f"built for {arch}, {config.arch} is asked for")
+    # nvcc's release, not its build string: cudart is linked statically and the machine code
+    # is fixed by the arch, so another build of the same release (a carried cache on the GPU
+    # host) makes the same library; another release may not. Entries written before
+    # `nvcc_release` existed record only the build line, which names the release too.
+    built_release = meta.get("nvcc_release") or parse_nvcc_release(str(built_with))
+    if not built_release:
+        raise _StaleEntry(f"meta.json records nvcc {built_with!r}, whose release is unreadable")
+    if _nvcc_exe(config.nvcc) is not None:
+        current = nvcc_version(config.nvcc)
+        if current.release != built_release:
+            raise _StaleEntry(
+                f"built by nvcc release {built_release} ({built_with!r}), nvcc on PATH is "
+                f"release {current.release} ({current.build!r})"
+            )
     return BuiltLibrary(spec=spec, path=lib, key=key, arch=arch)
 
 
@@ -406,7 +464,8 @@ def _build_entry(
             "name": spec.name,
             "key": key,
             "arch": config.arch,
-            "nvcc": version,
+            "nvcc": version.build,
+            "nvcc_release": version.release,
             "torch": _torch_version(),
             "version_tags": list(spec.version_tags),
             "size": tmp_lib.stat().st_size,

@@ -316,11 +316,108 @@ def test_without_nvcc_a_missing_entry_says_nvcc_is_missing(src_dir, tmp_path):
         kb.build(_spec(src_dir), config)
 
 
-def test_another_nvcc_version_rebuilds(prebuilt, config, capfd, monkeypatch):
-    spec, _ = prebuilt
+def _nvcc_output(release: str, build_id: str = "36424714") -> str:
+    """What `nvcc --version` prints (CUDA 13.0's layout), for another release or build."""
+    return (
+        "nvcc: NVIDIA (R) Cuda compiler driver\n"
+        "Copyright (c) 2005-2025 NVIDIA Corporation\n"
+        "Built on Wed_Aug_20_01:58:59_PM_PDT_2025\n"
+        f"Cuda compilation tools, release {release}, V{release}.88\n"
+        f"Build cuda_{release}.r{release}/compiler.{build_id}_0\n"
+    )
+
+
+def _fake_nvcc(monkeypatch, text: str) -> None:
+    """The nvcc on PATH (still the real compiler) reports `text` as its version."""
+    monkeypatch.setattr(kb, "nvcc_version", lambda nvcc="nvcc": kb.parse_nvcc_version(text))
+
+
+def _recorded_release(built: kb.BuiltLibrary) -> str:
+    return json.loads((built.path.parent / "meta.json").read_text())["nvcc_release"]
+
+
+def test_meta_records_the_nvcc_release_and_build_string(prebuilt):
+    _, built = prebuilt
+    meta = json.loads((built.path.parent / "meta.json").read_text())
+    real = kb.nvcc_version()
+    assert meta["nvcc_release"] == real.release and meta["nvcc"] == real.build
+    assert meta["nvcc"].startswith("Build cuda_") and f"cuda_{real.release}" in meta["nvcc"]
+
+
+def test_same_nvcc_release_with_another_build_string_reuses_the_entry(
+    prebuilt, config, capfd, monkeypatch
+):
+    """A carried pre-built library on a host whose nvcc is another build of the same release
+    is loaded, not rebuilt (1-2 minutes of device time on the GPU check)."""
+    spec, built = prebuilt
+    release = _recorded_release(built)
+    _fake_nvcc(monkeypatch, _nvcc_output(release, build_id="99999999"))
     capfd.readouterr()
-    monkeypatch.setattr(kb, "nvcc_version", lambda nvcc="nvcc": "Build cuda_99.9.r99")
-    _rebuilt(spec, config, capfd, "nvcc on PATH is 'Build cuda_99.9.r99'")
+    assert kb.find_cached(spec, config) is not None
+    again = kb.build(spec, config)
+    assert again.path.stat().st_ino == built.path.stat().st_ino
+    assert "building" not in capfd.readouterr().err
+
+
+def test_another_nvcc_release_rebuilds_naming_both_releases(prebuilt, config, capfd, monkeypatch):
+    spec, built = prebuilt
+    release = _recorded_release(built)
+    _fake_nvcc(monkeypatch, _nvcc_output("99.9"))
+    assert kb.find_cached(spec, config) is None
+    capfd.readouterr()
+    again = _rebuilt(spec, config, capfd, f"built by nvcc release {release} (")
+    meta = json.loads((again.path.parent / "meta.json").read_text())
+    assert meta["nvcc_release"] == "99.9"
+    _fake_nvcc(monkeypatch, _nvcc_output(release))  # and back: stale again, same message form
+    assert kb.find_cached(spec, config) is None
+    _rebuilt(spec, config, capfd, f"nvcc on PATH is release {release} (")
+
+
+def test_minor_release_counts(prebuilt, config, monkeypatch):
+    """13.1 is not 13.0: another minor release is stale (the whole major.minor is compared)."""
+    spec, built = prebuilt
+    major, minor = _recorded_release(built).split(".")
+    _fake_nvcc(monkeypatch, _nvcc_output(f"{major}.{int(minor) + 1}"))
+    assert kb.find_cached(spec, config) is None
+
+
+def test_entry_without_nvcc_release_reads_it_from_the_build_string(prebuilt, config, capfd):
+    """Entries written before `nvcc_release` existed record only the build line; it names the
+    release, so they stay valid (no META_VERSION bump, a carried cache is not thrown away)."""
+    spec, built = prebuilt
+    meta_path = built.path.parent / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["nvcc_release"]
+    meta_path.write_text(json.dumps(meta))
+    capfd.readouterr()
+    assert kb.build(spec, config).path.stat().st_ino == built.path.stat().st_ino
+    assert "building" not in capfd.readouterr().err
+    meta["nvcc"] = "Build something/unrecognisable"
+    meta_path.write_text(json.dumps(meta))
+    _rebuilt(spec, config, capfd, "whose release is unreadable")
+
+
+@pytest.mark.parametrize(
+    "text,release",
+    [
+        (_nvcc_output("13.0"), "13.0"),
+        (_nvcc_output("12.4", build_id="34097967"), "12.4"),
+        ("Cuda compilation tools, release 12.10, V12.10.1\n", "12.10"),
+        ("Build cuda_13.0.r13.0/compiler.36424714_0", "13.0"),  # the build line alone
+    ],
+)
+def test_nvcc_release_is_parsed_from_the_version_output(text, release):
+    assert kb.parse_nvcc_version(text).release == release
+    assert kb.parse_nvcc_version(text).build == text.strip().splitlines()[-1]
+
+
+def test_unparseable_nvcc_version_is_a_clear_error(prebuilt, config, monkeypatch):
+    spec, _ = prebuilt
+    with pytest.raises(kb.KernelBuildError, match=r"cannot read the CUDA release.*'nvcc 0'"):
+        kb.parse_nvcc_version("nvcc 0")
+    _fake_nvcc(monkeypatch, "some wrapper script, version unknown")
+    with pytest.raises(kb.KernelBuildError, match="cannot read the CUDA release"):
+        kb.build(spec, config)
 
 
 def test_depfile_parser_handles_continuations_and_escaped_spaces():
