@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,8 +64,13 @@ def matmul_ceiling_flops(n: int = 8192, iters: int = 10) -> float:
     return 2 * n**3 / time_per_call(lambda: torch.mm(a, b), iters)
 
 
+_WRITTEN: set[str] = set()
+"""The checks this process has written a row for (`fail_unwritten` fills in the others)."""
+
+
 def write_verdict(path: Path | None, check: str, measured: str, target: str, ok: bool | None):
     """Append one verdict row (ok None = N/A) and echo it to the log."""
+    _WRITTEN.add(check)
     verdict = "N/A" if ok is None else ("PASS" if ok else "FAIL")
     line = f"{check}\t{measured}\t{target}\t{verdict}"
     print(f"verdict: {line}", flush=True)
@@ -84,3 +90,48 @@ def record_verdicts(path: Path | None, rows, dry: bool) -> int:
         write_verdict(path, check, measured, target, ok)
         failed += int(not ok)
     return failed
+
+
+def first_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, short enough for a verdict cell."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+
+
+def run_check(
+    path: Path | None,
+    check: str,
+    target: str,
+    measure: Callable[[], tuple[str, bool]],
+    dry: bool = False,
+) -> bool:
+    """Run one check and write its row as soon as it ends.
+
+    `measure()` returns (measured, ok). An exception becomes a FAIL row naming it (the
+    traceback goes to the log) and the caller goes on with its next check, so one broken op
+    never costs the rows after it. On a dry run `measure` still runs (tiny CPU shapes, so the
+    harness is exercised) but no row is written. Returns ok (True on a dry run that did not
+    raise)."""
+    try:
+        measured, ok = measure()
+    except Exception as exc:  # every failure must become a row
+        traceback.print_exc()
+        measured, ok = f"raised {first_line(exc)}", False
+    if dry:
+        print(f"dry run: {check}: {measured} (target {target}; not recorded)", flush=True)
+        return ok
+    write_verdict(path, check, measured, target, ok)
+    return ok
+
+
+def fail_unwritten(path: Path | None, checks, exc: BaseException, dry: bool = False) -> int:
+    """After `exc` stopped a stage part-way: a FAIL row naming it for each of `checks` that
+    has no row yet (so the table says what broke, not "not run"). Returns how many."""
+    traceback.print_exception(exc)
+    missing = [c for c in checks if c not in _WRITTEN]
+    for check in missing:
+        if dry:
+            print(f"dry run: {check}: raised {first_line(exc)} (not recorded)", flush=True)
+        else:
+            write_verdict(path, check, f"raised {first_line(exc)}", "", False)
+    return len(missing)

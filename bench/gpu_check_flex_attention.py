@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gpu_check_common import record_verdicts, time_per_call
+from gpu_check_common import fail_unwritten, record_verdicts, time_per_call
 
 SPEEDUP_VS_DENSE = 1.0
 SPEEDUP_VS_TILED = 2.0
@@ -194,7 +194,11 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    return 1 if run(args.dry_run, args.verdicts, args.report, args.iters) else 0
+    try:
+        failed = run(args.dry_run, args.verdicts, args.report, args.iters)
+    except Exception as exc:  # a compile or launch failure: FAIL rows naming it, not "not run"
+        failed = fail_unwritten(args.verdicts, CHECKS, exc, args.dry_run)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

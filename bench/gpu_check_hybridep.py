@@ -1,49 +1,202 @@
-"""HybridEP stages of bench/gpu_check.sh: W rank processes on the one GPU (gloo group, CUDA IPC).
+"""HybridEP stages of bench/gpu_check.sh: the kernels timed alone, then the ranks for real.
 
-`--timing`: for W = 2 and 4, each rank times its dispatch, its combine and dispatch+combine
-(one CUDA event pair around many back-to-back collective calls, inputs preallocated), and the
-torch reference backend (`all_to_all_single` over gloo, CPU tensors) on the same routing. The
-aggregate bandwidth is the bytes every rank moved over the slowest rank's time, counted as the
-copy ceiling is (bytes read + bytes written), against a device-to-device copy measured here.
-Verdicts: dispatch and combine >= 70% of that ceiling; dispatch+combine faster than the torch
-all-to-all reference (>= 1.0x).
+`--timing` (one process, bench/hybridep_local_world.py): for W = 2, 4 and 8 simulated ranks
+(T=4096, H=7168, 8 local experts, top-8, bf16) the dispatch and the combine kernels of every
+rank run back to back with nothing else in the timed region; their output is compared bit for
+bit with the reference semantics before timing, and the bytes all ranks move over that time
+are held against a device-to-device copy measured here (target >= 70%). Dispatch+combine is
+also timed against the torch path on the same routing (gather + one all-to-all-sized copy
+each way + fp32 index-add; target >= 1.0x). Two more cases check the bits only: H=12 (rows
+not 16-byte aligned: the one-element path) and T=16384 at H=7168.
 
-`--sync-check`: W = 2, static-budget mode (`num_permuted_tokens` set): preprocess, dispatch,
-permute, unpermute and combine under `torch.cuda.set_sync_debug_mode("error")`, so any
-synchronizing torch call on that path raises; then the outputs are compared, bitwise, with the
-torch backend's.
+`--ranks` (W rank processes on the one GPU, CUDA IPC and device barriers, gloo group,
+barrier_timeout_s=10): the fused paths Buffer takes (dispatch+permute from the registered
+area, unpermute into it + combine) equal the torch backend bit for bit at W = 2 and 4, with
+their time per round trip reported as what it is (processes time-slicing one GPU, barriers
+included: a floor for an NVLink node, not a kernel figure); and the static-budget path runs
+under `torch.cuda.set_sync_debug_mode("error")`.
 
-`--dry-run`: the same harness on CPU with the torch backend in both roles and tiny sizes; no
-verdicts. Why W processes on ONE GPU: that is what the lent machine has. Kernels of different
-processes time-slice on one GPU (no MPS), so these numbers are a floor for an NVLink node.
+Every check writes its row as it ends (gpu_check_common.run_check): an exception is that
+row's FAIL, a dead or stuck rank is named by gpu_check_ranks.run_ranks within its deadline,
+and the rows after it still run. `--dry-run` runs the same harness on CPU (the reference in
+the kernels' place, the torch backend in every rank) and writes no row.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import functools
 import sys
-import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from gpu_check_common import copy_ceiling_bytes_per_s, time_per_call, write_verdict
+from gpu_check_common import copy_ceiling_bytes_per_s, fail_unwritten, run_check, time_per_call
+from gpu_check_ranks import run_ranks
+from hybridep_local_world import Case, LocalWorld, TorchPath
 
 COPY_TARGET = 0.70
-REF_TARGET = 1.0
-WORLDS = (2, 4)
+TORCH_TARGET = 1.0
+WORLDS = (2, 4, 8)
+RANK_WORLDS = (2, 4)
+UNALIGNED = Case(world=4, tokens=512, hidden=12, local=4, topk=4, seed=3)
+LARGE_T = Case(world=4, tokens=16384, hidden=7168, local=8, topk=8, seed=4)
 CHECKS = [
-    *(f"HybridEP {op} W={w} vs copy ceiling" for w in WORLDS for op in ("dispatch", "combine")),
-    *(f"HybridEP dispatch+combine W={w} vs torch all-to-all" for w in WORLDS),
-    "HybridEP static-budget path: no host sync",
+    *(
+        f"HybridEP {op} W={w} kernels alone vs copy ceiling"
+        for w in WORLDS
+        for op in ("dispatch", "combine")
+    ),
+    *(f"HybridEP dispatch+combine W={w} vs torch path" for w in WORLDS),
+    UNALIGNED_CHECK := "HybridEP H=12 (unaligned rows): dispatch+combine bitwise",
+    LARGE_T_CHECK := "HybridEP T=16384 H=7168 W=4: dispatch+combine bitwise",
+    *(f"HybridEP W={w} processes: fused paths bitwise = torch backend" for w in RANK_WORLDS),
+    SYNC_CHECK := "HybridEP static-budget path: no host sync",
 ]
+RANKS_TIMEOUT_S = 90  # spawn + CUDA init of 4 processes is ~20 s; a stuck one is named after
 
 
+def _elapsed(what: str, t0: float) -> None:
+    print(f"elapsed: {what}: {time.monotonic() - t0:.1f} s", flush=True)
+
+
+class _Once:
+    """A value built on first use; a failure is kept and re-raised for every row needing it
+    (each such row fails naming it, and it is not retried)."""
+
+    def __init__(self, build) -> None:
+        self._build, self._value, self._error = build, None, None
+
+    def __call__(self):
+        if self._error is not None:
+            raise self._error
+        if self._value is None:
+            try:
+                self._value = self._build()
+            except Exception as exc:
+                self._error = exc
+                raise
+        return self._value
+
+    def release(self) -> None:
+        self._value = None
+
+
+# -- one process: the kernels alone ------------------------------------------------------
+def _timed_rows(case: Case, ceiling: float, iters: int, dry: bool, verdicts, lines) -> int:
+    device = "cpu" if dry else "cuda"
+    t0 = time.monotonic()
+    world = _Once(lambda: LocalWorld(case, device, kernels=not dry))
+    failed = 0
+
+    def ours(op: str):
+        def measure():
+            w = world()
+            if not w.layouts_agree():
+                return "the kernels' layout differs from the reference", False
+            if op == "combine":
+                w.fill_areas_for_combine()
+            getattr(w, op)()
+            bitwise = getattr(w, f"{op}_matches")()
+            secs = time_per_call(getattr(w, op), iters, cuda=not dry)
+            frac = w.moved_bytes(op) / secs / ceiling
+            rate = w.moved_bytes(op) / secs / 1e9
+            lines.append(f"| {case.world} | {op} | {w.moved_bytes(op) / 1e9:.3f} | "
+                         f"{secs * 1e3:.3f} | {rate:.0f} | {frac:.0%} | {bitwise} |")  # fmt: skip
+            text = f"{frac:.0%} of ceiling ({rate:.0f} GB/s), bitwise={bitwise}"
+            return text, bitwise and (dry or frac >= COPY_TARGET)  # a dry run judges bits only
+
+        return measure
+
+    for op in ("dispatch", "combine"):
+        check = f"HybridEP {op} W={case.world} kernels alone vs copy ceiling"
+        target = f">={COPY_TARGET:.0%} of d2d copy, bitwise = reference"
+        ok = run_check(verdicts, check, target, ours(op), dry)
+        failed += not ok
+
+    def versus_torch():
+        w = world()
+        path = TorchPath(w)
+        t_ours = time_per_call(lambda: (w.dispatch(), w.combine()), iters, cuda=not dry)
+        t_torch = time_per_call(lambda: (path.dispatch(), path.combine()), iters, cuda=not dry)
+        lines.append(f"| {case.world} | dispatch+combine | - | {t_ours * 1e3:.3f} | torch path "
+                     f"{t_torch * 1e3:.3f} ms | {t_torch / t_ours:.2f}x | - |")  # fmt: skip
+        return f"{t_torch / t_ours:.2f}x", dry or t_torch / t_ours >= TORCH_TARGET
+
+    check = f"HybridEP dispatch+combine W={case.world} vs torch path"
+    failed += not run_check(verdicts, check, f">={TORCH_TARGET:.1f}x (gather + a2a copy + "
+                            "index_add, one process)", versus_torch, dry)  # fmt: skip
+    world.release()  # free this case's buffers before the next one
+    if not dry:
+        torch.cuda.empty_cache()
+    _elapsed(f"timing {case}", t0)
+    return failed
+
+
+def _bitwise_row(name: str, case: Case, dry: bool, verdicts, iters: int) -> int:
+    t0 = time.monotonic()
+
+    def measure():
+        w = LocalWorld(case, "cpu" if dry else "cuda", kernels=not dry)
+        layout_ok = w.layouts_agree()
+        w.dispatch()
+        d_ok = w.dispatch_matches()
+        w.fill_areas_for_combine()
+        w.combine()
+        c_ok = w.combine_matches()
+        secs = time_per_call(lambda: (w.dispatch(), w.combine()), iters, cuda=not dry)
+        text = (f"layout {layout_ok}, dispatch {d_ok}, combine {c_ok}; "
+                f"{secs * 1e3:.2f} ms per dispatch+combine of all ranks")  # fmt: skip
+        return text, layout_ok and d_ok and c_ok
+
+    ok = run_check(verdicts, name, "bitwise = reference", measure, dry)
+    if not dry:
+        torch.cuda.empty_cache()
+    _elapsed(f"bitwise {case}", t0)
+    return int(not ok)
+
+
+def timing(dry: bool, verdicts: Path | None, report: Path | None, iters: int) -> int:
+    t0 = time.monotonic()
+    if dry:
+        worlds = [Case(world=w, tokens=64, hidden=32, local=2, topk=2, seed=w) for w in (2, 4)]
+        unaligned = Case(world=2, tokens=16, hidden=12, local=2, topk=2, seed=3)
+        large = Case(world=2, tokens=128, hidden=32, local=2, topk=2, seed=4)
+        ceiling = 2 * (1 << 22) / time_per_call(
+            functools.partial(torch.empty(1 << 22, dtype=torch.uint8).copy_,
+                              torch.ones(1 << 22, dtype=torch.uint8)), 3, cuda=False)  # fmt: skip
+        iters = 1
+    else:
+        worlds = [Case(world=w, tokens=4096, hidden=7168, local=8, topk=8, seed=w) for w in WORLDS]
+        unaligned, large = UNALIGNED, LARGE_T
+        ceiling = copy_ceiling_bytes_per_s()
+    _elapsed("copy ceiling", t0)
+    lines = [
+        f"device-to-device copy ceiling (read + write): {ceiling / 1e9:.0f} GB/s; kernels of "
+        "all W simulated ranks back to back in one process (no barrier, clone or staging in "
+        "the timed region), every SM",
+        "",
+        "| W | op | GB moved (all ranks) | ms (all ranks) | GB/s | vs copy ceiling | bitwise |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    failed = 0
+    for case in worlds:
+        failed += _timed_rows(case, ceiling, iters, dry, verdicts, lines)
+        if report is not None:  # the table so far survives a later stage's timeout
+            report.write_text("\n".join(lines) + "\n")
+    failed += _bitwise_row(UNALIGNED_CHECK, unaligned, dry, verdicts, iters)
+    failed += _bitwise_row(LARGE_T_CHECK, large, dry, verdicts, iters)
+    print("\n".join(lines), flush=True)
+    if report is not None:
+        report.write_text("\n".join(lines) + "\n")
+    _elapsed("time-hybridep total", t0)
+    return failed
+
+
+# -- W processes: IPC, barriers, the fused paths -------------------------------------------
 def _routing(rank: int, tokens: int, experts: int, topk: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1234 + rank)
     scores = torch.rand(tokens, experts, generator=gen)
@@ -52,73 +205,68 @@ def _routing(rank: int, tokens: int, experts: int, topk: int) -> torch.Tensor:
     )
 
 
-def _spec(hidden: int, tokens: int, local: int, sms: int):
+def _spec(hidden: int, tokens: int, local: int):
     from hybridep.backends import BufferSpec
     from hybridep.config import HybridEPConfig
 
-    config = HybridEPConfig(num_sms_dispatch=sms, num_sms_combine=sms) if sms else None
-    kwargs = {"config": config} if config is not None else {}
+    config = HybridEPConfig(barrier_timeout_s=10.0)  # shorter than the stage's deadline
     return BufferSpec(
-        hidden_dim=hidden, max_num_of_tokens_per_rank=tokens, num_local_experts=local, **kwargs
-    )
+        hidden_dim=hidden, max_num_of_tokens_per_rank=tokens, num_local_experts=local,
+        config=config,
+    )  # fmt: skip
 
 
-def _timing_rank(rank: int, world: int, cfg: dict) -> dict:
+def _fused_rank(rank: int, world: int, cfg: dict) -> dict:
+    """Fused dispatch+permute and unpermute+combine vs the torch backend, bitwise; then the
+    fused round trip timed (time-slicing processes, barriers included)."""
+    import torch.distributed as dist
+
     from hybridep.backends.torch_ref import TorchBackend
 
-    dry = cfg["dry"]
-    device = "cpu" if dry else "cuda"
-    T, H, L = cfg["tokens"], cfg["hidden"], cfg["local"]
-    spec = _spec(H, T, L, cfg["sms"])
+    dry, T, H, L = cfg["dry"], cfg["tokens"], cfg["hidden"], cfg["local"]
+    spec = _spec(H, T, L)
+    ref = TorchBackend(dist.group.WORLD, spec)
     if dry:
-        ours = TorchBackend(dist.group.WORLD, spec)
+        ours, dev = TorchBackend(dist.group.WORLD, spec), (lambda t: t)
     else:
         from hybridep.backends.cuda import CudaBackend
 
-        ours = CudaBackend(dist.group.WORLD, spec)
+        ours, dev = CudaBackend(dist.group.WORLD, spec), (lambda t: t.cuda())
     routing = _routing(rank, T, world * L, cfg["topk"])
     gen = torch.Generator().manual_seed(rank)
-    hidden_cpu = torch.randn(T, H, generator=gen).to(torch.bfloat16)
-    probs_cpu = torch.rand(T, world * L, generator=gen) * routing
-    hidden, probs = hidden_cpu.to(device), probs_cpu.to(device)
-    handle = ours.preprocess(routing.to(device), pad_multiple=1, num_permuted_tokens=None)
-    recv, recv_probs = ours.dispatch(hidden, probs, handle)
-    cuda, iters = not dry, cfg["iters"]
+    hidden = torch.randint(-8, 9, (T, H), generator=gen).to(torch.bfloat16)
+    probs = torch.rand(T, world * L, generator=gen) * routing
+    fused_in = getattr(ours, "dispatch_permute", None)
+    fused_out = getattr(ours, "unpermute_combine", None)
+    if fused_in is None:  # the torch backend (dry run): its composition stands in
+        fused_in = lambda h, p, hd: ours.permute(*ours.dispatch(h, p, hd), hd)  # noqa: E731
+        fused_out = lambda t, p, hd: ours.combine(*ours.unpermute(t, p, hd), hd)  # noqa: E731
+    h = ours.preprocess(dev(routing), pad_multiple=16, num_permuted_tokens=None)
+    hr = ref.preprocess(routing, pad_multiple=16, num_permuted_tokens=None)
+    tokens, tprobs = fused_in(dev(hidden), dev(probs), h)
+    back = fused_out(tokens * 3, tprobs, h)
+    r_tokens, r_probs = ref.permute(*ref.dispatch(hidden, probs, hr), hr)
+    r_back = ref.combine(*ref.unpermute(r_tokens * 3, r_probs, hr), hr)
+    pairs = ((tokens, r_tokens), (tprobs, r_probs), (back[0], r_back[0]), (back[1], r_back[1]))
+    same = all(torch.equal(a.cpu(), b) for a, b in pairs)
+    g_hidden, g_probs = dev(hidden), dev(probs)
     dist.barrier()
-    t_dispatch = time_per_call(lambda: ours.dispatch(hidden, probs, handle), iters, cuda=cuda)
-    dist.barrier()
-    t_combine = time_per_call(lambda: ours.combine(recv, recv_probs, handle), iters, cuda=cuda)
-    dist.barrier()
-    t_both = time_per_call(
-        lambda: ours.combine(*ours.dispatch(hidden, probs, handle), handle), iters, cuda=cuda
-    )
-    ref = TorchBackend(dist.group.WORLD, spec)
-    ref_handle = ref.preprocess(routing, pad_multiple=1, num_permuted_tokens=None)
-    dist.barrier()
-    t_ref = time_per_call(
-        lambda: ref.combine(*ref.dispatch(hidden_cpu, probs_cpu, ref_handle), ref_handle),
-        cfg["ref_iters"],
-        repeats=1,
-        cuda=False,
-    )
+    secs = time_per_call(lambda: fused_out(*fused_in(g_hidden, g_probs, h), h), cfg["iters"],
+                         cuda=not dry)  # fmt: skip
     if hasattr(ours, "close"):
         ours.close()
-    return {
-        "recv_rows": handle.num_recv_rows,
-        "tokens": T,
-        "t_dispatch": t_dispatch,
-        "t_combine": t_combine,
-        "t_both": t_both,
-        "t_ref": t_ref,
-    }
+    return {"same": same, "secs": secs}
 
 
 def _sync_rank(rank: int, world: int, cfg: dict) -> dict:
+    """The static-budget path through the fused calls under sync debug mode "error"."""
+    import torch.distributed as dist
+
     from hybridep.backends.cuda import CudaBackend
     from hybridep.backends.torch_ref import TorchBackend
 
     T, H, L = cfg["tokens"], cfg["hidden"], cfg["local"]
-    spec = _spec(H, T, L, 0)
+    spec = _spec(H, T, L)
     ours, ref = CudaBackend(dist.group.WORLD, spec), TorchBackend(dist.group.WORLD, spec)
     routing = _routing(rank, T, world * L, cfg["topk"])
     gen = torch.Generator().manual_seed(rank)
@@ -131,10 +279,8 @@ def _sync_rank(rank: int, world: int, cfg: dict) -> dict:
     torch.cuda.set_sync_debug_mode("error")
     try:
         h = ours.preprocess(g_routing, pad_multiple=pad, num_permuted_tokens=budget)
-        recv = ours.dispatch(g_hidden, g_probs, h)
-        perm = ours.permute(*recv, h)
-        back = ours.unpermute(perm[0] * 3, perm[1], h)
-        out = ours.combine(*back, h)
+        perm = ours.dispatch_permute(g_hidden, g_probs, h)
+        out = ours.unpermute_combine(perm[0] * 3, perm[1], h)
     except RuntimeError as exc:
         error = str(exc).splitlines()[0]
     finally:
@@ -142,140 +288,82 @@ def _sync_rank(rank: int, world: int, cfg: dict) -> dict:
     same = False
     if not error:
         hr = ref.preprocess(routing, pad_multiple=pad, num_permuted_tokens=budget)
-        r_recv = ref.dispatch(hidden, probs, hr)
-        r_perm = ref.permute(*r_recv, hr)
+        r_perm = ref.permute(*ref.dispatch(hidden, probs, hr), hr)
         r_out = ref.combine(*ref.unpermute(r_perm[0] * 3, r_perm[1], hr), hr)
         same = torch.equal(out[0].cpu(), r_out[0]) and torch.equal(out[1].cpu(), r_out[1])
     ours.close()
     return {"error": error, "same_as_torch": same}
 
 
-def _child(rank, world, init_file, fn, cfg, queue) -> None:
-    import traceback
-
-    try:
-        if not cfg["dry"]:
-            torch.cuda.set_device(0)  # every rank on the one GPU
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
-        )
-        try:
-            queue.put((rank, True, fn(rank, world, cfg)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
-
-
-def run_ranks(fn, world: int, cfg: dict) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [
-            ctx.Process(target=_child, args=(r, world, init_file, fn, cfg, queue))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        results = [queue.get() for _ in procs]
-        for p in procs:
-            p.join()
-    failed = [msg for _, ok, msg in results if not ok]
-    if failed:
-        raise RuntimeError(f"a rank failed:\n{failed[0]}")
-    return [value for _, _, value in sorted(results, key=lambda r: r[0])]
-
-
-def timing(dry: bool, verdicts: Path | None, report: Path | None, iters: int) -> int:
+def ranks(dry: bool, verdicts: Path | None) -> int:
+    t0 = time.monotonic()
+    failed = 0
+    cfg = dict(dry=dry, tokens=2048, hidden=7168, local=8, topk=8, iters=10)
     if dry:
-        cfg = dict(dry=True, tokens=64, hidden=32, local=2, topk=2, sms=0, iters=2, ref_iters=1)
-        ceiling = 1.0
+        cfg.update(tokens=32, hidden=16, local=2, topk=2, iters=1)
     else:
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        cfg = dict(dry=False, tokens=4096, hidden=7168, local=8, topk=8, sms=sms, iters=iters,
-                   ref_iters=2)  # fmt: skip
         from hybridep import build_hybridep_abi as abi
 
-        abi.load_library()  # built once here; the ranks load the cached library
-        ceiling = copy_ceiling_bytes_per_s()
-    lines = [
-        f"device-to-device copy ceiling (read + write): {ceiling / 1e9:.0f} GB/s; "
-        f"T={cfg['tokens']} H={cfg['hidden']} L={cfg['local']} top-{cfg['topk']} bf16, "
-        f"dispatch/combine grids {cfg['sms']} SMs",
-        "",
-        "| W | op | GB moved (all ranks) | slowest rank ms | GB/s | vs copy ceiling |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    rows: list[tuple[str, str, str, bool]] = []
-    for world in (2,) if dry else WORLDS:  # a dry run checks the harness, W=2 is enough
-        res = run_ranks(_timing_rank, world, cfg)
-        row_bytes = cfg["hidden"] * 2
-        recv_rows = sum(r["recv_rows"] for r in res)
-        moved = {
-            "dispatch": 2 * recv_rows * row_bytes,
-            "combine": (recv_rows + world * cfg["tokens"]) * row_bytes,
-        }
-        for op in ("dispatch", "combine"):
-            secs = max(r[f"t_{op}"] for r in res)
-            frac = moved[op] / secs / ceiling
-            lines.append(
-                f"| {world} | {op} | {moved[op] / 1e9:.3f} | {secs * 1e3:.3f} | "
-                f"{moved[op] / secs / 1e9:.0f} | {frac:.0%} |"
+        abi.load_library()  # built or found once here; the ranks load the cached library
+    for w in RANK_WORLDS[:1] if dry else RANK_WORLDS:
+
+        def fused(w=w):
+            res = run_ranks(_fused_rank, w, cfg, timeout_s=RANKS_TIMEOUT_S)
+            same = all(r["same"] for r in res)
+            ms = max(r["secs"] for r in res) * 1e3
+            text = (
+                f"bitwise {same}; {ms:.2f} ms per fused round trip at T={cfg['tokens']} "
+                f"H={cfg['hidden']} (processes time-slicing one GPU, barriers included)"
             )
-            rows.append((f"HybridEP {op} W={world} vs copy ceiling", f"{frac:.0%} of ceiling",
-                         f">={COPY_TARGET:.0%} of d2d copy", frac >= COPY_TARGET))  # fmt: skip
-        t_both, t_ref = max(r["t_both"] for r in res), max(r["t_ref"] for r in res)
-        lines.append(
-            f"| {world} | dispatch+combine | - | {t_both * 1e3:.3f} | torch all-to-all "
-            f"{t_ref * 1e3:.3f} ms | {t_ref / t_both:.2f}x faster |"
-        )
-        speedup = t_ref / t_both
-        rows.append((f"HybridEP dispatch+combine W={world} vs torch all-to-all",
-                     f"{speedup:.2f}x", f">={REF_TARGET:.1f}x", speedup >= REF_TARGET))  # fmt: skip
-    text = "\n".join(lines)
-    print(text, flush=True)
-    if report is not None:
-        report.write_text(text + "\n")
+            return text, same
+
+        failed += not run_check(verdicts, f"HybridEP W={w} processes: fused paths bitwise = "
+                                "torch backend", "bitwise = torch backend", fused, dry)  # fmt: skip
+        _elapsed(f"ranks W={w}", t0)
     if dry:
-        for check, *_ in rows:
-            print(f"dry run: would record {check!r}", flush=True)
+        print("dry run: the static-budget sync check needs CUDA (not run)", flush=True)
         return 0
-    for row in rows:
-        write_verdict(verdicts, *row)
-    return sum(not ok for *_, ok in rows)
 
+    def sync():
+        sync_cfg = dict(dry=False, tokens=512, hidden=1024, local=4, topk=4, budget=512 * 4)
+        res = run_ranks(_sync_rank, 2, sync_cfg, timeout_s=RANKS_TIMEOUT_S)
+        errors = [r["error"] for r in res if r["error"]]
+        same = all(r["same_as_torch"] for r in res)
+        return (errors[0] if errors else f"no sync; outputs equal torch backend: {same}",
+                not errors and same)  # fmt: skip
 
-def sync_check(verdicts: Path | None) -> int:
-    check = "HybridEP static-budget path: no host sync"
-    cfg = dict(dry=False, tokens=512, hidden=1024, local=4, topk=4, budget=512 * 4)
-    try:
-        res = run_ranks(_sync_rank, 2, cfg)
-    except RuntimeError as exc:
-        write_verdict(verdicts, check, f"ranks failed: {str(exc).splitlines()[-1]}", "", False)
-        return 1
-    errors = [r["error"] for r in res if r["error"]]
-    same = all(r["same_as_torch"] for r in res)
-    measured = errors[0] if errors else f"no sync; outputs equal torch backend: {same}"
-    ok = not errors and same
-    write_verdict(verdicts, check, measured, 'set_sync_debug_mode("error"), bitwise', ok)
-    return int(not ok)
+    failed += not run_check(verdicts, SYNC_CHECK, 'set_sync_debug_mode("error"), bitwise', sync)
+    _elapsed("hybridep-ranks total", t0)
+    return failed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timing", action="store_true")
-    parser.add_argument("--sync-check", action="store_true")
-    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--timing", action="store_true", help="one process, kernels alone")
+    parser.add_argument("--ranks", action="store_true", help="W processes, IPC, fused paths")
+    parser.add_argument("--dry-run", action="store_true", help="CPU: the harness, no rows")
     parser.add_argument("--verdicts", type=Path)
     parser.add_argument("--report", type=Path)
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
+    if not args.dry_run and not torch.cuda.is_available():
+        print(
+            "gpu_check_hybridep: no CUDA device is visible; use --dry-run on CPU", file=sys.stderr
+        )
+        return 2
     failed = 0
-    if args.sync_check and not args.dry_run:
-        failed += sync_check(args.verdicts)
+    rank_checks = [c for c in CHECKS if "processes" in c or c == SYNC_CHECK]
+    if args.ranks or args.dry_run:
+        try:
+            failed += ranks(args.dry_run, args.verdicts)
+        except Exception as exc:  # outside any one row: FAIL the rows left, naming it
+            failed += fail_unwritten(args.verdicts, rank_checks, exc, args.dry_run)
     if args.timing or args.dry_run:
-        failed += timing(args.dry_run, args.verdicts, args.report, args.iters)
+        try:
+            failed += timing(args.dry_run, args.verdicts, args.report, args.iters)
+        except Exception as exc:
+            timing_checks = [c for c in CHECKS if c not in rank_checks]
+            failed += fail_unwritten(args.verdicts, timing_checks, exc, args.dry_run)
     return 1 if failed else 0
 
 

@@ -66,11 +66,30 @@ def _cutlass() -> str:
 
 
 def _kernel_cache() -> str:
+    from art_megatron_ext.ops import cutlass_grouped_gemm as cg
     from hybridep import build as kb
+    from hybridep import build_hybridep_abi as abi
 
     cache = kb.default_cache_dir()
     entries = sorted(p.name for p in cache.glob("*-*") if p.is_dir()) if cache.is_dir() else []
-    return f"{cache}: {len(entries)} entries {entries}"
+    # valid for THESE sources, headers and nvcc release, or the build stage recompiles
+    # (1-2 minutes of device time): say which, before any stage runs
+    stale = []
+    for name, make_spec in (
+        ("art_hybridep", abi.library_spec),
+        ("art_grouped_gemm", cg.library_spec),
+    ):
+        try:
+            if kb.find_cached(make_spec()) is None:
+                stale.append(name)
+        except Exception as exc:  # e.g. CUTLASS headers missing: the spec cannot be keyed
+            stale.append(f"{name} ({type(exc).__name__})")
+    if stale:
+        raise RuntimeError(
+            f"{cache} ({len(entries)} entries) has no valid entry for {stale}: the build "
+            "stage compiles them on the device (run `make gpu-carry` after changing csrc/)"
+        )
+    return f"{cache}: both libraries valid for these sources ({entries})"
 
 
 def _pytest() -> str:

@@ -187,7 +187,62 @@ def _ipc_worker(rank: int, world: int, seed: int) -> dict:
         c_ref = ref.combine(*u_ref, h_ref)
         c_gpu = cuda.combine(*u_gpu, h_gpu)
         out[f"{mode}/combine"] = same(c_ref[0], c_gpu[0]) and same(c_ref[1], c_gpu[1])
+        # the fused paths Buffer takes: permute straight from the registered area,
+        # unpermute straight into it (no clone, no staging copy), same bits
+        f_gpu = cuda.dispatch_permute(hidden.cuda(), probs.cuda(), h_gpu)
+        out[f"{mode}/dispatch_permute"] = same(p_ref[0], f_gpu[0]) and same(p_ref[1], f_gpu[1])
+        b_gpu = cuda.unpermute_combine(f_gpu[0] * 3, f_gpu[1], h_gpu)
+        out[f"{mode}/unpermute_combine"] = same(c_ref[0], b_gpu[0]) and same(c_ref[1], b_gpu[1])
     out.update(_edge_cases(rank, world, ref, cuda, routing, hidden, probs))
+    cuda.close()
+    out.update(_a_rank_fails_mid_call(rank, spec, routing, hidden, probs))
+    return out
+
+
+def _a_rank_fails_mid_call(rank, spec, routing, hidden, probs) -> dict:
+    """Rank 0's dispatch fails after its first barrier (the kernel launch is refused); its
+    peers' dispatch returns well inside barrier_timeout_s (rank 0 passed the second barrier,
+    flagged), and every rank's next call raises PeerFailed naming rank 0."""
+    import dataclasses
+    import time
+
+    import torch.distributed as dist
+
+    from hybridep.backends import PeerFailed
+    from hybridep.backends.cuda import CudaBackend
+
+    spec = dataclasses.replace(
+        spec, config=dataclasses.replace(spec.config, barrier_timeout_s=20.0)
+    )
+    cuda = CudaBackend(dist.group.WORLD, spec)
+    handle = cuda.preprocess(routing.cuda(), pad_multiple=1, num_permuted_tokens=None)
+    if rank == 0:
+        real = cuda.lib
+
+        class RefusingLaunch:
+            def __getattr__(self, name):
+                if name == "art_hybridep_dispatch":
+                    return lambda params: 10002  # what a refused launch returns
+                return getattr(real, name)
+
+        cuda.lib = RefusingLaunch()
+    out = {}
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        cuda.dispatch(hidden.cuda(), probs.cuda(), handle)
+        out["abort/raised_on_rank_0"] = rank != 0
+    except RuntimeError as exc:
+        out["abort/raised_on_rank_0"] = rank == 0 and "dispatch failed" in str(exc)
+    torch.cuda.synchronize()
+    out["abort/peers_did_not_wait"] = time.monotonic() - t0 < 10.0
+    if rank == 0:
+        cuda.lib = real
+    try:
+        cuda.preprocess(routing.cuda(), pad_multiple=1, num_permuted_tokens=None)
+        out["abort/next_call_raises"] = False
+    except PeerFailed as exc:
+        out["abort/next_call_raises"] = "rank 0's call failed" in str(exc)
     cuda.close()
     return out
 

@@ -3,7 +3,8 @@
 `hybridep.layout` / `hybridep.movement` are the specification the CUDA kernels reproduce;
 these tests check them against naive loops (hypothesis drives the routings) and prove that
 the static-budget path reads nothing back to the host: on the `meta` device any
-data-dependent step (`.item()`, boolean indexing, `nonzero`) raises, and it runs there.
+data-dependent step (`.item()`, boolean indexing, `nonzero`) raises, and it runs there
+(test_layout_gpu.py runs the same pipeline on a GPU under sync debug mode).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.hybridep_static import static_pipeline
 
 from hybridep import layout, movement
 
@@ -138,29 +140,8 @@ def test_reduce_over_ranks_skips_unrouted_ranks_and_sums_in_rank_order():
     assert movement.reduce_over_ranks(back, need).item() == 3.0
 
 
-def _static_pipeline(device: str) -> torch.Tensor:
-    world, tokens, experts_per_rank, hidden = 2, 5, 3, 4
-    global_map = torch.zeros(world, tokens, world * experts_per_rank, dtype=torch.bool).to(device)
-    need = layout.rank_need(global_map, experts_per_rank)
-    local_map = layout.local_expert_map(global_map, 0, experts_per_rank)
-    lay = layout.expert_positions(local_map, 4, 16)
-    layout.sparse_to_dense_slots(need[0], 0)
-    recv = torch.zeros(world * tokens, hidden, device=device)
-    recv_probs = torch.zeros(world * tokens, experts_per_rank, device=device)
-    permuted, probs = movement.permute_tokens(recv, recv_probs, lay.positions, 16)
-    rows, _ = movement.unpermute_tokens(permuted, probs, lay.positions)
-    out = movement.reduce_over_ranks(rows.view(world, tokens, hidden), need[0])
-    movement.scatter_probs_over_ranks(recv_probs.view(world, tokens, -1), need[0])
-    rank_of_row = torch.arange(world, device=device).repeat_interleave(tokens)
-    token_of_row = torch.where(
-        need[0].t().reshape(-1), torch.arange(tokens, device=device).repeat(world), -1
-    )
-    movement.combine_rows(rows, recv_probs, rank_of_row, token_of_row, world, tokens)
-    return out
-
-
 def test_static_budget_path_needs_no_host_values():
-    out = _static_pipeline("meta")
+    out = static_pipeline("meta")
     assert out.device.type == "meta" and tuple(out.shape) == (5, 4)
 
 
@@ -169,12 +150,3 @@ def test_meta_check_catches_a_host_read():
     lay = layout.expert_positions(local_map, 1, None)
     with pytest.raises((RuntimeError, NotImplementedError)):
         int(lay.tokens_per_expert.sum())  # what the blocking path does on purpose
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (meta twin on CPU)")
-def test_static_budget_path_does_not_synchronize_on_gpu():
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        _static_pipeline("cuda")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")

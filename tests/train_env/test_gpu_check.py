@@ -7,19 +7,23 @@ the multi-rank timing) is checked here, so the 15 minutes of device time go to t
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_check.sh"
-STAGES = ("preflight", "build", "gpu-tests", "sync-check", "time-grouped-gemm",
-          "time-hybridep", "time-flex-attention", "async-provenance")  # fmt: skip
+STAGES = (
+    "preflight", "build", "gpu-tests", "megatron-gpu-tests", "hybridep-ranks",
+    "time-grouped-gemm", "time-hybridep", "time-flex-attention", "async-provenance",
+)  # fmt: skip
 
 
 def _helper_checks(name: str) -> list[str]:
@@ -108,22 +112,46 @@ def test_dry_run_lists_every_stage_with_its_timeout(dry_run):
 
 
 def test_dry_run_selects_gpu_tests_without_collection_errors(dry_run):
+    """Both test stages select gpu-marked files (Megatron twins included) that collect here
+    and import nothing the GPU image lacks (hypothesis, transformer_engine, vLLM)."""
     text = dry_run[0].stdout
-    selected = int(re.search(r"gpu-tests: (\d+) test\(s\) selected by -m gpu", text).group(1))
-    assert selected > 0 and "gpu-tests: FAIL" not in text
+    for stage in ("gpu-tests", "megatron-gpu-tests"):
+        found = re.search(rf"^{stage}: (\d+) test\(s\) selected by -m gpu", text, re.M)
+        assert found and int(found.group(1)) > 0, stage
+        assert f"{stage}: FAIL" not in text
+    assert "tests/hybridep/test_layout_gpu.py" in text  # a file, not the hypothesis module
+    assert "tests/hybridep/test_layout.py" not in text
+    assert "test_no_host_syncs_gpu.py" in text
 
 
-def test_dry_run_prints_every_verdict_not_run(dry_run):
+def test_dry_run_plan_gives_every_row_its_stage_oracle_and_time(dry_run):
     text = dry_run[0].stdout
-    table = text[text.index("== verdicts") :]
-    checks = [
+    plan = text[text.index("== plan") : text.index("== stage preflight")]
+    rows = re.findall(r"^\| (.+?) \| ([a-z-]+) \| (\d+) \| (\d+) \| (.+) \|$", plan, re.M)
+    checks = [r[0] for r in rows if r[0] != "check"]
+    assert len(checks) == len(set(checks)) == len(_all_checks())
+    assert set(checks) == set(_all_checks())
+    for check, stage, limit, floor, oracle in rows:
+        assert stage in STAGES and 0 < int(floor) <= int(limit) <= 360, check
+        assert len(oracle) > 10, check
+
+
+def _all_checks() -> list[str]:
+    return [
         "kernels build (both libraries)",
         "GPU tests (ART_REQUIRE_GPU=1, skips fail)",
+        "Megatron GPU twins (carried megatron-core)",
         *_helper_checks("gpu_check_grouped_gemm"),
         *_helper_checks("gpu_check_hybridep"),
         *_helper_checks("gpu_check_flex_attention"),
         "async-scheduling provenance",
     ]
+
+
+def test_dry_run_prints_every_verdict_not_run(dry_run):
+    text = dry_run[0].stdout
+    table = text[text.index("== verdicts") :]
+    checks = _all_checks()
     for check in checks:
         assert f"| {check} | - | - | not run |" in table, check
     assert table.count("| not run |") == len(checks)
@@ -151,19 +179,98 @@ def test_grouped_gemm_timing_harness_runs_on_cpu():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     for check in _helper_checks("gpu_check_grouped_gemm"):
-        assert f"dry run: would record {check!r}" in proc.stdout
+        assert f"dry run: {check}: " in proc.stdout
     assert proc.stdout.count("| skewed |") == 6 and proc.stdout.count("| uniform |") == 6
 
 
-def test_hybridep_timing_harness_runs_on_cpu_with_two_ranks():
+def test_hybridep_harnesses_run_on_cpu():
+    """The one-process kernel timing (the reference in the kernels' place) and the W-process
+    fused-path check (the torch backend in every rank) run their code on tiny shapes, and
+    every row says what it would record."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "gpu_check_hybridep.py"), "--dry-run"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert re.search(r"^\| 2 \| dispatch \| ", proc.stdout, re.M)
-    assert re.search(r"^\| 2 \| dispatch\+combine \| ", proc.stdout, re.M)
-    assert "would record 'HybridEP dispatch+combine W=2 vs torch all-to-all'" in proc.stdout
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(
+        r"^\| 2 \| dispatch \| [\d.]+ \| [\d.]+ \| \d+ \| \d+% \| True \|$", proc.stdout, re.M
+    )
+    assert re.search(r"^\| 4 \| combine \| .* \| True \|$", proc.stdout, re.M)
+    assert re.search(r"^\| 2 \| dispatch\+combine \| - \| [\d.]+ \| torch path ", proc.stdout, re.M)
+    assert (
+        "HybridEP W=2 processes: fused paths bitwise = torch backend: bitwise True" in proc.stdout
+    )
+    assert (
+        "HybridEP H=12 (unaligned rows): dispatch+combine bitwise: layout True, dispatch "
+        "True, combine True" in proc.stdout
+    )
+    assert re.search(r"^elapsed: time-hybridep total: [\d.]+ s$", proc.stdout, re.M)
+
+
+def _bench_import(name: str):
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+
+
+def test_run_ranks_names_a_rank_that_died_without_waiting_forever():
+    from support import rank_behaviours
+
+    ranks = _bench_import("gpu_check_ranks")
+    start = time.monotonic()
+    with pytest.raises(
+        ranks.RanksFailed, match=r"rank\(s\) \[1\] died without a result \(exit codes \{1: 3\}\)"
+    ):
+        ranks.run_ranks(rank_behaviours.rank_one_dies, 2, {"dry": True, "survivor_sleep_s": 600},
+                        timeout_s=120)  # fmt: skip
+    assert time.monotonic() - start < 60  # named as soon as it is seen dead, not at the deadline
+
+
+def test_run_ranks_kills_and_names_a_rank_past_the_deadline():
+    from support import rank_behaviours
+
+    ranks = _bench_import("gpu_check_ranks")
+    with pytest.raises(ranks.RanksFailed, match=r"rank\(s\) \[1\] still running after 20 s"):
+        ranks.run_ranks(rank_behaviours.rank_one_hangs, 2, {"dry": True}, timeout_s=20)
+
+
+def test_run_ranks_fails_fast_on_a_raising_rank_and_returns_results_in_order():
+    from support import rank_behaviours
+
+    ranks = _bench_import("gpu_check_ranks")
+    start = time.monotonic()
+    with pytest.raises(ranks.RanksFailed, match=r"(?s)rank 0 raised:.*rank zero's input is bad"):
+        ranks.run_ranks(rank_behaviours.rank_zero_raises, 2, {"dry": True}, timeout_s=300)
+    assert time.monotonic() - start < 60  # its peer, waiting for it, is killed
+    got = ranks.run_ranks(rank_behaviours.answer, 3, {"dry": True}, timeout_s=120)
+    assert got == [{"rank": r, "world": 3} for r in range(3)]
+
+
+def test_a_raising_check_becomes_a_fail_row_and_the_next_check_still_runs(tmp_path):
+    common = _bench_import("gpu_check_common")
+    verdicts = tmp_path / "verdicts.tsv"
+
+    def broken():
+        raise torch_like_oom()
+
+    def fine():
+        return "1.20x", True
+
+    assert common.run_check(verdicts, "first", ">=1x", broken) is False
+    assert common.run_check(verdicts, "second", ">=1x", fine) is True
+    rows = [line.split("\t") for line in verdicts.read_text().splitlines()]
+    assert rows[0][0] == "first" and rows[0][3] == "FAIL"
+    assert rows[0][1].startswith("raised RuntimeError: CUDA out of memory")
+    assert rows[1] == ["second", "1.20x", ">=1x", "PASS"]
+    # a stage stopped outside any row: the rows it had not written become FAIL, named
+    assert common.fail_unwritten(verdicts, ["first", "third"], ValueError("no ceiling")) == 1
+    assert verdicts.read_text().splitlines()[-1] == "third\traised ValueError: no ceiling\t\tFAIL"
+
+
+def torch_like_oom() -> RuntimeError:
+    return RuntimeError("CUDA out of memory. Tried to allocate 3.75 GiB\nmore detail")
 
 
 def test_flex_attention_timing_harness_runs_on_cpu():

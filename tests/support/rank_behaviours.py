@@ -1,0 +1,31 @@
+"""Rank functions for the CPU tests of bench/gpu_check_ranks.run_ranks (importable by the
+spawned children, which a test module's own functions are not reliably)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def answer(rank: int, world: int, cfg: dict) -> dict:
+    return {"rank": rank, "world": world}
+
+
+def rank_one_dies(rank: int, world: int, cfg: dict) -> dict:
+    if rank == 1:
+        os._exit(3)  # no result, no exception: what a CUDA fault or the OOM killer leaves
+    time.sleep(cfg.get("survivor_sleep_s", 0))
+    return {"rank": rank}
+
+
+def rank_one_hangs(rank: int, world: int, cfg: dict) -> dict:
+    if rank == 1:
+        time.sleep(3600)
+    return {"rank": rank}
+
+
+def rank_zero_raises(rank: int, world: int, cfg: dict) -> dict:
+    if rank == 0:
+        raise ValueError("rank zero's input is bad")
+    time.sleep(3600)  # a peer that would wait for rank 0 in a collective
+    return {"rank": rank}
