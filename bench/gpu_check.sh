@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
-# The one GPU check for a lent H200 (README "GPU check"; docs/kernels.md). It must give a
-# verdict within 8 minutes of device time, with 2 to spare, on a machine that has torch, nvcc
-# and pytest but no network, no megatron-core and no nvidia-cutlass. So:
-#   - what it needs beyond the image travels in the carry directory (`make gpu-carry`:
-#     CUTLASS headers, pre-built kernel cache), found through ART_CUTLASS_DIR and
-#     ART_PIPELINE_KERNEL_CACHE;
+# The one GPU check for a lent H200 (README "GPU check"; docs/gpu-check.md). It must give a
+# verdict within 6 minutes of device time, so a second try fits, on a machine that has torch,
+# nvcc and pytest but no network, no megatron-core and no nvidia-cutlass. So:
+#   - what it needs beyond the image travels compressed in the carry directory
+#     (`make gpu-carry`: megatron-core, CUTLASS headers, pre-built kernel cache) and is
+#     unpacked first (bench/gpu_check_unpack.py), found through PYTHONPATH, ART_CUTLASS_DIR
+#     and ART_PIPELINE_KERNEL_CACHE;
 #   - no stage stops the script (set -uo pipefail, no -e): each runs under its own timeout,
-#     inside a global budget (ART_GPU_CHECK_BUDGET_S, default 360 s), and records its status;
-#   - the end of the output is one verdict table; every expected check without a result is
+#     inside a global budget (ART_GPU_CHECK_BUDGET_S, default 360 s) that keeps a floor of
+#     time for every later stage, and prints its elapsed time;
+#   - every check writes its row the moment it ends (an exception is a FAIL row naming it,
+#     a dead or stuck rank is named within its deadline), so a stage cut short keeps the rows
+#     it finished; the end of the output is one verdict table where a check without a row is
 #     "not run". Logs, junit and the timing tables go to $OUT.
-# Only tests that need torch + our packages run there (tests/hybridep, tests/art_megatron_ext/
-# ops): the Megatron-dependent GPU tests (lora, moe) cannot, the image has no megatron-core.
 #
 # Usage: bash bench/gpu_check.sh [--dry-run]
-#   --dry-run  on any machine (CPU): the same preflight, the stage plan with each command and
-#              timeout, the GPU tests the stage would select (collected, not run), and the
-#              verdict table with every check "not run". make test runs it.
+#   --dry-run  on any machine (CPU): the preflight, the plan (every verdict row with its stage,
+#              oracle and time budget), each stage's command and timeout, the GPU test files
+#              and tests the stages would select (collected, not run), and the verdict table
+#              with every check "not run". make test runs it (tests/train_env/test_gpu_check.py,
+#              which also runs each stage's harness with --dry-run on CPU).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 REPO=$PWD
@@ -31,7 +35,12 @@ mkdir -p "$OUT"
 TMPD=$(mktemp -d)
 CARRY=${ART_GPU_CARRY_DIR:-$REPO/.gpu-carry}
 export ART_GPU_CARRY_DIR=$CARRY
-if [[ -z "${ART_CUTLASS_DIR:-}" && -d "$CARRY/cutlass" ]]; then
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+UNPACK_LOG=$TMPD/unpack.log
+if [[ -d $CARRY ]]; then  # megatron-core onto PYTHONPATH, CUTLASS into ART_CUTLASS_DIR
+  eval "$("$PY" bench/gpu_check_unpack.py "$CARRY" "$TMPD/carry" 2>"$UNPACK_LOG")"
+fi
+if [[ -z "${ART_CUTLASS_DIR:-}" && -d "$CARRY/cutlass" ]]; then  # an uncompressed carry
   export ART_CUTLASS_DIR=$CARRY/cutlass
 fi
 if [[ -z "${ART_PIPELINE_KERNEL_CACHE:-}" ]]; then
@@ -41,38 +50,64 @@ if [[ -z "${ART_PIPELINE_KERNEL_CACHE:-}" ]]; then
     export ART_PIPELINE_KERNEL_CACHE=$TMPD/kernel-cache
   fi
 fi
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 BUDGET=${ART_GPU_CHECK_BUDGET_S:-360}
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
 VERDICTS=$OUT/verdicts.tsv
 STAGES=$OUT/stages.tsv
+# GPU tests: the files under these paths that carry the `gpu` marker (a file is selected, not
+# a directory: a CPU-only module may import what the image lacks, e.g. hypothesis)
 GPU_TEST_PATHS=(tests/hybridep tests/art_megatron_ext/ops tests/art_vllm_plugin/worker/test_staged_copies.py
                 tests/art_megatron_ext/packing/test_flex_tree_attention.py)
+# the Megatron-side twins: need the carried megatron-core (no transformer_engine on the image)
+MEGATRON_TEST_PATHS=(tests/art_megatron_ext/lora/test_no_host_syncs_gpu.py
+                     tests/art_megatron_ext/lora/test_lora_local_spec_gpu.py
+                     tests/art_megatron_ext/lora/test_grouped_lora_cutlass_gpu.py
+                     tests/art_megatron_ext/moe/test_hybridep_flex_gpu.py
+                     tests/art_megatron_ext/packing/test_tree_attention_megatron_gpu.py)
 
-STAGE_NAMES=(preflight build gpu-tests sync-check time-grouped-gemm time-hybridep time-flex-attention
-             async-provenance)
-declare -A LIMIT=([preflight]=60 [build]=200 [gpu-tests]=150 [sync-check]=45
-                  [time-grouped-gemm]=60 [time-hybridep]=120 [time-flex-attention]=75
-                  [async-provenance]=30)
-declare -A FLOOR=([preflight]=10 [build]=30 [gpu-tests]=30 [sync-check]=15
-                  [time-grouped-gemm]=20 [time-hybridep]=30 [time-flex-attention]=25
-                  [async-provenance]=5)
-EXPECTED=(
-  "kernels build (both libraries)"
-  "GPU tests (ART_REQUIRE_GPU=1, skips fail)"
-  "grouped GEMM fwd (uniform)" "grouped GEMM dgrad (uniform)" "grouped GEMM wgrad (uniform)"
-  "grouped GEMM fwd (skewed)" "grouped GEMM dgrad (skewed)" "grouped GEMM wgrad (skewed)"
-  "HybridEP dispatch W=2 vs copy ceiling" "HybridEP combine W=2 vs copy ceiling"
-  "HybridEP dispatch W=4 vs copy ceiling" "HybridEP combine W=4 vs copy ceiling"
-  "HybridEP dispatch+combine W=2 vs torch all-to-all"
-  "HybridEP dispatch+combine W=4 vs torch all-to-all"
-  "HybridEP static-budget path: no host sync"
-  "FlexAttention tree fwd+bwd agrees with fp32 reference"
-  "FlexAttention tree fwd+bwd vs dense SDPA (tree mask)"
-  "FlexAttention tree fwd+bwd vs tiled kernel"
-  "async-scheduling provenance"
-)
+STAGE_NAMES=(preflight build gpu-tests megatron-gpu-tests hybridep-ranks time-grouped-gemm
+             time-hybridep time-flex-attention async-provenance)
+declare -A LIMIT=([preflight]=60 [build]=200 [gpu-tests]=120 [megatron-gpu-tests]=150
+                  [hybridep-ranks]=60 [time-grouped-gemm]=60 [time-hybridep]=60
+                  [time-flex-attention]=75 [async-provenance]=30)
+declare -A FLOOR=([preflight]=10 [build]=30 [gpu-tests]=30 [megatron-gpu-tests]=20
+                  [hybridep-ranks]=15 [time-grouped-gemm]=20 [time-hybridep]=20
+                  [time-flex-attention]=25 [async-provenance]=5)
+# Every verdict row: check <TAB> stage <TAB> oracle (what PASS means). The helpers write the
+# same check names (their CHECKS lists; tests/train_env/test_gpu_check.py holds them equal).
+GG="every group elementwise within tol of an fp32 reference, >=1.10x torch._grouped_mm, >=60% of the bf16 matmul rate"
+HE_COPY="kernels of all W ranks alone (one process): >=70% of the device-to-device copy rate, output bitwise = reference"
+HE_TORCH=">=1.0x the torch path on the same routing (gather + one all-to-all-sized copy + fp32 index_add)"
+EXPECTED=()
+row() { EXPECTED+=("$1"$'\t'"$2"$'\t'"$3"); }  # check stage oracle
+row 'kernels build (both libraries)' build 'both libraries load from the carried cache or build'
+row 'GPU tests (ART_REQUIRE_GPU=1, skips fail)' gpu-tests 'pytest -m gpu on the selected files: all pass, none skipped'
+row 'Megatron GPU twins (carried megatron-core)' megatron-gpu-tests 'pytest -m gpu on the Megatron twins: all pass, none skipped'
+row 'grouped GEMM fwd (uniform)' time-grouped-gemm "$GG"
+row 'grouped GEMM dgrad (uniform)' time-grouped-gemm "$GG"
+row 'grouped GEMM wgrad (uniform)' time-grouped-gemm "$GG"
+row 'grouped GEMM fwd (skewed)' time-grouped-gemm "$GG"
+row 'grouped GEMM dgrad (skewed)' time-grouped-gemm "$GG"
+row 'grouped GEMM wgrad (skewed)' time-grouped-gemm "$GG; empty groups' dW exactly 0"
+row 'HybridEP dispatch W=2 kernels alone vs copy ceiling' time-hybridep "$HE_COPY"
+row 'HybridEP combine W=2 kernels alone vs copy ceiling' time-hybridep "$HE_COPY"
+row 'HybridEP dispatch W=4 kernels alone vs copy ceiling' time-hybridep "$HE_COPY"
+row 'HybridEP combine W=4 kernels alone vs copy ceiling' time-hybridep "$HE_COPY"
+row 'HybridEP dispatch W=8 kernels alone vs copy ceiling' time-hybridep "$HE_COPY"
+row 'HybridEP combine W=8 kernels alone vs copy ceiling' time-hybridep "$HE_COPY"
+row 'HybridEP dispatch+combine W=2 vs torch path' time-hybridep "$HE_TORCH"
+row 'HybridEP dispatch+combine W=4 vs torch path' time-hybridep "$HE_TORCH"
+row 'HybridEP dispatch+combine W=8 vs torch path' time-hybridep "$HE_TORCH"
+row 'HybridEP H=12 (unaligned rows): dispatch+combine bitwise' time-hybridep 'the one-element path: bitwise = reference'
+row 'HybridEP T=16384 H=7168 W=4: dispatch+combine bitwise' time-hybridep 'bitwise = reference at large T'
+row 'HybridEP W=2 processes: fused paths bitwise = torch backend' hybridep-ranks 'CUDA IPC + device barriers, fused dispatch+permute / unpermute+combine bitwise = torch backend (time reported, not judged)'
+row 'HybridEP W=4 processes: fused paths bitwise = torch backend' hybridep-ranks 'the same at W=4'
+row 'HybridEP static-budget path: no host sync' hybridep-ranks 'no host sync under set_sync_debug_mode("error"); bitwise = torch backend'
+row 'FlexAttention tree fwd+bwd agrees with fp32 reference' time-flex-attention 'rel err <= 2x dense SDPA bf16 error, at most 2e-2'
+row 'FlexAttention tree fwd+bwd vs dense SDPA (tree mask)' time-flex-attention '>=1.0x dense SDPA with the tree mask, and agrees'
+row 'FlexAttention tree fwd+bwd vs tiled kernel' time-flex-attention '>=2.0x the tiled kernel, and agrees'
+row 'async-scheduling provenance' async-provenance 'needs vLLM (absent in the image): N/A there'
 
 verdict() {  # check measured target PASS|FAIL|N/A
   printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$VERDICTS"
@@ -102,7 +137,7 @@ run_stage() {  # name command... : run under the stage's timeout, tee into the l
   shift
   t=$(stage_timeout "$name")
   echo
-  echo "== stage $name (timeout ${t} s): $*"
+  echo "== stage $name (timeout ${t} s, t+$(($(date +%s) - START)) s): $*"
   if ((DRY)); then
     record "$name" - 0 "not run: dry run"
     return 0
@@ -120,6 +155,46 @@ run_stage() {  # name command... : run under the stage's timeout, tee into the l
   return "$rc"
 }
 
+print_plan() {  # every verdict row, the stage that writes it, its oracle and the stage's time
+  echo
+  echo "== plan: every verdict row (budget ${BUDGET} s in all; a stage gets at most its limit"
+  echo "   and at least its floor, the floors of the stages after it kept back)"
+  echo "| check | stage | limit s | floor s | oracle (PASS when) |"
+  echo "| --- | --- | --- | --- | --- |"
+  local entry c st o
+  for entry in "${EXPECTED[@]}"; do
+    IFS=$'\t' read -r c st o <<<"$entry"
+    echo "| $c | $st | ${LIMIT[$st]} | ${FLOOR[$st]} | $o |"
+  done
+}
+
+gpu_files() {  # paths... -> the test files among them that carry the gpu marker, one a line
+  grep -rlE --include='test_*.py' 'pytest\.mark\.gpu\b|mark\.gpu\b' "$@" 2>/dev/null | sort
+}
+
+collect_dry() {  # label files... : what `pytest -m gpu` would run there (collected, not run)
+  local label=$1 n bad=0
+  shift
+  echo
+  echo "== $label would run (collected here, not run): pytest -m gpu $*"
+  n=$(timeout 600 "$PY" -m pytest -m gpu -p no:cacheprovider --collect-only -q "$@" 2>&1 |
+    tee "$TMPD/collect.log" | grep -c '::')
+  grep '::' "$TMPD/collect.log" | sed 's/^/  /'
+  echo "$label: $n test(s) selected by -m gpu"
+  grep -E '^(ERROR|E ) ' "$TMPD/collect.log" | head -20
+  local f
+  for f in "$@"; do  # the image has torch, nvcc and pytest only
+    if grep -qE '^\s*(from|import) (hypothesis|transformer_engine|vllm)\b' "$f"; then
+      echo "$label: FAIL $f imports a package the GPU image lacks"
+      bad=1
+    fi
+  done
+  if ((n == 0 || bad)) || grep -q '^ERROR' "$TMPD/collect.log"; then
+    echo "$label: FAIL the GPU tests do not collect, or none carries the gpu marker"
+    touch "$TMPD/dry_failed"
+  fi
+}
+
 print_tables() {
   echo
   echo "== stages"
@@ -130,8 +205,9 @@ print_tables() {
   echo "== verdicts ($(date -u +%Y-%m-%dT%H:%MZ), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo 'no GPU'), $(($(date +%s) - START)) s)"
   echo "| check | measured | target | verdict |"
   echo "| --- | --- | --- | --- |"
-  local c line m t v bad=0
-  for c in "${EXPECTED[@]}"; do
+  local entry c line m t v bad=0
+  for entry in "${EXPECTED[@]}"; do
+    c=${entry%%$'\t'*}
     line=$(awk -F'\t' -v c="$c" '$1 == c' "$VERDICTS" | tail -1)
     if [[ -n $line ]]; then
       IFS=$'\t' read -r _ m t v <<<"$line"
@@ -156,6 +232,9 @@ main() {
   echo "gpu_check: carry dir $CARRY: $([[ -d $CARRY ]] && echo found || echo 'NOT FOUND (run make gpu-carry)')"
   echo "gpu_check: ART_CUTLASS_DIR=${ART_CUTLASS_DIR:-<unset>}"
   echo "gpu_check: ART_PIPELINE_KERNEL_CACHE=$ART_PIPELINE_KERNEL_CACHE"
+  [[ -s $UNPACK_LOG ]] && sed 's/^/gpu_check: /' "$UNPACK_LOG"
+  echo "gpu_check: megatron-core: $("$PY" -c 'import megatron.core as m; print(m.__version__, "from", m.__file__)' 2>/dev/null || echo 'not importable (the Megatron twins will fail)')"
+  print_plan
   timeout 10 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used \
     --format=csv 2>&1 || echo "gpu_check: nvidia-smi unavailable"
 
@@ -198,31 +277,36 @@ main() {
       "both build or load" "$( ((rc_gg == 0 && rc_he == 0)) && echo PASS || echo FAIL)"
   fi
 
-  # GPU tests: only the `gpu`-marked tests that need torch + our packages (no megatron-core)
+  # GPU tests: the gpu-marked files that need torch + our packages, then the Megatron twins
+  # (megatron-core from the carry on PYTHONPATH, no transformer_engine)
+  local -a gpu_tests meg_tests
+  mapfile -t gpu_tests < <(gpu_files "${GPU_TEST_PATHS[@]}")
+  mapfile -t meg_tests < <(gpu_files "${MEGATRON_TEST_PATHS[@]}")
+  echo
+  echo "gpu_check: ${#gpu_tests[@]} GPU test file(s), ${#meg_tests[@]} Megatron twin file(s)"
   if ((DRY)); then
-    echo
-    echo "== gpu-tests would run (collected here, not run): pytest -m gpu ${GPU_TEST_PATHS[*]}"
-    local n
-    n=$(timeout 600 "$PY" -m pytest -m gpu -p no:cacheprovider --collect-only -q \
-      "${GPU_TEST_PATHS[@]}" 2>&1 | tee "$TMPD/collect.log" | grep -c '::')
-    grep '::' "$TMPD/collect.log" | sed 's/^/  /'
-    echo "gpu-tests: $n test(s) selected by -m gpu"
-    grep -E '^(ERROR|E ) ' "$TMPD/collect.log" | head -20
-    if ((n == 0)) || grep -q '^ERROR' "$TMPD/collect.log"; then
-      echo "gpu-tests: FAIL the GPU tests do not collect, or none carries the gpu marker"
-      touch "$TMPD/dry_failed"
-    fi
+    collect_dry gpu-tests "${gpu_tests[@]}"
+    collect_dry megatron-gpu-tests "${meg_tests[@]}"
   fi
   run_stage gpu-tests env ART_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -p no:cacheprovider -q \
-    -rfEs --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml" "${GPU_TEST_PATHS[@]}" 2>&1 | tee "$TMPD/tests.log"
+    -rfEs --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml" "${gpu_tests[@]}" 2>&1 | tee "$TMPD/tests.log"
   rc=${PIPESTATUS[0]}
   if ((!DRY)); then
     verdict "GPU tests (ART_REQUIRE_GPU=1, skips fail)" \
       "$(grep -E '(passed|failed|error)' "$TMPD/tests.log" | tail -1 | tr -d '=' | xargs)" \
       "all pass, none skipped" "$( ((rc == 0)) && echo PASS || echo FAIL)"
   fi
+  run_stage megatron-gpu-tests env ART_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -p no:cacheprovider -q \
+    -rfEs --continue-on-collection-errors --junitxml="$OUT/megatron_gpu_tests.xml" "${meg_tests[@]}" 2>&1 | tee "$TMPD/meg.log"
+  rc=${PIPESTATUS[0]}
+  if ((!DRY)); then
+    verdict "Megatron GPU twins (carried megatron-core)" \
+      "$(grep -E '(passed|failed|error)' "$TMPD/meg.log" | tail -1 | tr -d '=' | xargs)" \
+      "all pass, none skipped" "$( ((rc == 0)) && echo PASS || echo FAIL)"
+  fi
 
-  run_stage sync-check "$PY" bench/gpu_check_hybridep.py --sync-check --verdicts "$VERDICTS"
+  # HybridEP with real rank processes (IPC, barriers), then the kernels timed alone
+  run_stage hybridep-ranks "$PY" bench/gpu_check_hybridep.py --ranks --verdicts "$VERDICTS"
   run_stage time-grouped-gemm "$PY" bench/gpu_check_grouped_gemm.py --verdicts "$VERDICTS" \
     --report "$OUT/timing_grouped_gemm.md"
   run_stage time-hybridep "$PY" bench/gpu_check_hybridep.py --timing --verdicts "$VERDICTS" \

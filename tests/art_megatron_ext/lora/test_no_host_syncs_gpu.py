@@ -19,8 +19,9 @@ here until measured on a GPU (a test that passes either way would say nothing).
 CPU twins: tests/art_megatron_ext/ops/test_grouped_gemm_backend.py checks that `grouped_gemm`
 resolves its backend once per process and input class (no per-call file-system probe); the
 CPU test here runs the same step (without the sync check) so a harness bug costs no device
-time. This file needs megatron-core, which the GPU image lacks: it waits for Megatron on the
-device (docs/gpu-check.md), outside bench/gpu_check.sh's GPU_TEST_PATHS.
+time. This file needs megatron-core (local-spec linears only, no Transformer Engine), which
+the GPU image lacks: bench/gpu_check.sh puts the carried one on PYTHONPATH
+(`bench/gpu_check_unpack.py`), and the CUDA tests fail rather than skip if it is missing.
 """
 
 from __future__ import annotations
