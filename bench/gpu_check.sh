@@ -195,6 +195,22 @@ collect_dry() {  # label files... : what `pytest -m gpu` would run there (collec
   fi
 }
 
+pytest_stage() {  # stage check junit-name files... : pytest -m gpu on the files, one verdict
+  local stage=$1 check=$2 junit=$3 rc
+  shift 3
+  if (($# == 0)); then  # pytest without paths would collect the whole suite
+    record "$stage" - 0 "no gpu-marked test file found"
+    ((DRY)) || verdict "$check" "no gpu-marked test file found" "all pass, none skipped" FAIL
+    return 1
+  fi
+  run_stage "$stage" env ART_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -p no:cacheprovider -q -rfEs \
+    --continue-on-collection-errors --junitxml="$OUT/$junit.xml" "$@" 2>&1 | tee "$TMPD/$junit.log"
+  rc=${PIPESTATUS[0]}
+  ((DRY)) && return 0
+  verdict "$check" "$(grep -E '(passed|failed|error)' "$TMPD/$junit.log" | tail -1 | tr -d '=' | xargs)" \
+    "all pass, none skipped" "$( ((rc == 0)) && echo PASS || echo FAIL)"
+}
+
 print_tables() {
   echo
   echo "== stages"
@@ -288,22 +304,9 @@ main() {
     collect_dry gpu-tests "${gpu_tests[@]}"
     collect_dry megatron-gpu-tests "${meg_tests[@]}"
   fi
-  run_stage gpu-tests env ART_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -p no:cacheprovider -q \
-    -rfEs --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml" "${gpu_tests[@]}" 2>&1 | tee "$TMPD/tests.log"
-  rc=${PIPESTATUS[0]}
-  if ((!DRY)); then
-    verdict "GPU tests (ART_REQUIRE_GPU=1, skips fail)" \
-      "$(grep -E '(passed|failed|error)' "$TMPD/tests.log" | tail -1 | tr -d '=' | xargs)" \
-      "all pass, none skipped" "$( ((rc == 0)) && echo PASS || echo FAIL)"
-  fi
-  run_stage megatron-gpu-tests env ART_REQUIRE_GPU=1 "$PY" -m pytest -m gpu -p no:cacheprovider -q \
-    -rfEs --continue-on-collection-errors --junitxml="$OUT/megatron_gpu_tests.xml" "${meg_tests[@]}" 2>&1 | tee "$TMPD/meg.log"
-  rc=${PIPESTATUS[0]}
-  if ((!DRY)); then
-    verdict "Megatron GPU twins (carried megatron-core)" \
-      "$(grep -E '(passed|failed|error)' "$TMPD/meg.log" | tail -1 | tr -d '=' | xargs)" \
-      "all pass, none skipped" "$( ((rc == 0)) && echo PASS || echo FAIL)"
-  fi
+  pytest_stage gpu-tests "GPU tests (ART_REQUIRE_GPU=1, skips fail)" gpu_tests "${gpu_tests[@]}"
+  pytest_stage megatron-gpu-tests "Megatron GPU twins (carried megatron-core)" megatron_gpu_tests \
+    "${meg_tests[@]}"
 
   # HybridEP with real rank processes (IPC, barriers), then the kernels timed alone
   run_stage hybridep-ranks "$PY" bench/gpu_check_hybridep.py --ranks --verdicts "$VERDICTS"

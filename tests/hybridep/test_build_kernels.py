@@ -56,19 +56,24 @@ def _cuobjdump() -> str | None:
     return found
 
 
-def test_grouped_gemm_sass_uses_wgmma_and_tma_without_spills(grouped_gemm_lib):
-    """The kernels are on Hopper's fast path: HGMMA (wgmma) and TMA loads, no HMMA fallback,
-    no local-memory spills (LDL/STL)."""
-    import re
+def _cuobjdump_output(flag: str, library) -> str:
+    """`cuobjdump FLAG LIBRARY`'s output; skips when no cuobjdump exists here."""
     import subprocess
 
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's)")
-    sass = subprocess.run(
-        [tool, "--dump-sass", str(grouped_gemm_lib.path)], capture_output=True, text=True,
-        check=True,
-    ).stdout  # fmt: skip
+    return subprocess.run(
+        [tool, flag, str(library)], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def test_grouped_gemm_sass_uses_wgmma_and_tma_without_spills(grouped_gemm_lib):
+    """The kernels are on Hopper's fast path: HGMMA (wgmma) and TMA loads, no HMMA fallback,
+    no local-memory spills (LDL/STL)."""
+    import re
+
+    sass = _cuobjdump_output("--dump-sass", grouped_gemm_lib.path)
     assert len(re.findall(r"\bHGMMA\.", sass)) >= 16
     assert "UTMALDG" in sass
     assert not re.search(r"\bHMMA\.", sass)
@@ -172,15 +177,8 @@ def test_hybridep_kernels_do_not_spill_and_combine_fits_two_blocks_per_sm(hybrid
     """Combine is held to 64 registers (launch bounds: two 512-thread blocks per SM) and no
     HybridEP kernel spills to local memory, so the occupancy the launch asks for is real."""
     import re
-    import subprocess
 
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's)")
-    usage = subprocess.run(
-        [tool, "--dump-resource-usage", str(hybridep_lib.path)], capture_output=True, text=True,
-        check=True,
-    ).stdout  # fmt: skip
+    usage = _cuobjdump_output("--dump-resource-usage", hybridep_lib.path)
     kernels = re.findall(
         r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage
     )

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from support.decoder_layer import in_a_decoder_layer, with_experts
 from support.fake_grouped import FakeColumnParallelGroupedLinear, FakeRowParallelGroupedLinear
 
 from art_megatron_ext.lora import LoraConfig, attach_lora, iter_lora_sites, zero_lora_padding_
@@ -29,13 +30,7 @@ def _model() -> torch.nn.Module:
     experts.num_local_experts = EXPERTS
     experts.linear_fc1 = FakeColumnParallelGroupedLinear(EXPERTS, HIDDEN, 2 * FFN)
     experts.linear_fc2 = FakeRowParallelGroupedLinear(EXPERTS, FFN, HIDDEN)
-    layer = torch.nn.Module()
-    layer.layer_number = 1
-    layer.mlp = torch.nn.Module()
-    layer.mlp.experts = experts
-    model = torch.nn.Module()
-    model.decoder = torch.nn.Module()
-    model.decoder.layers = torch.nn.ModuleList([layer])
+    model = with_experts(experts)
     attach_lora(model, LoraConfig(rank=RANK, alpha=6.0, targets=("linear_fc1", "linear_fc2")))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -184,24 +179,13 @@ def art_moe_layer(megatron_world):
         yield art_moe_layer_spec(4, GroupedMLPOptions("torch"))(config=config, layer_number=1)
 
 
-def _in_a_decoder_layer(mlp: torch.nn.Module) -> torch.nn.Module:
-    """model.decoder.layers.0.mlp = `mlp` (export names sites by their layer)."""
-    layer = torch.nn.Module()
-    layer.layer_number = 1
-    layer.mlp = mlp
-    model = torch.nn.Module()
-    model.decoder = torch.nn.Module()
-    model.decoder.layers = torch.nn.ModuleList([layer])
-    return model
-
-
 def test_art_grouped_mlp_linears_are_grouped_lora_sites(art_moe_layer, tmp_path):
     """`ArtGroupedMLP` (our grouped experts) gets one grouped site per linear: the delta is one
     LoRA per expert, gradients reach A and B, and the export names every expert."""
     from art_megatron_ext.lora import activate_slot
     from art_megatron_ext.lora.grouped import GroupedLoraSite
 
-    model = _in_a_decoder_layer(art_moe_layer)
+    model = in_a_decoder_layer(art_moe_layer)
     sites = attach_lora(model, LoraConfig(rank=4, targets=("linear_fc1", "linear_fc2")))
     assert [type(s) for s in sites] == [GroupedLoraSite, GroupedLoraSite]
     fc1_site, fc2_site = sites

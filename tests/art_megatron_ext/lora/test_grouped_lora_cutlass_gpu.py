@@ -19,6 +19,7 @@ import importlib.util
 
 import pytest
 import torch
+from support.decoder_layer import with_experts
 
 HIDDEN, FFN, EXPERTS, RANK = 64, 96, 4, 8
 SPLITS = [20, 0, 28, 16]
@@ -59,13 +60,7 @@ def _experts(device: str, backend: str):
     )
     for linear in (experts.linear_fc1, experts.linear_fc2):
         linear.init_like_megatron(config.init_method)
-    layer = torch.nn.Module()
-    layer.layer_number = 1
-    layer.mlp = torch.nn.Module()
-    layer.mlp.experts = experts
-    model = torch.nn.Module()
-    model.decoder = torch.nn.Module()
-    model.decoder.layers = torch.nn.ModuleList([layer])
+    model = with_experts(experts)
     model = model.to(device)
     attach_lora(model, LoraConfig(rank=RANK, alpha=16.0, targets=("linear_fc1", "linear_fc2")))
     g = torch.Generator().manual_seed(1)

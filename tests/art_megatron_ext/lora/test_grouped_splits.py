@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.decoder_layer import with_experts
 from support.fake_grouped import FakeColumnParallelGroupedLinear
 
 from art_megatron_ext.lora import LoraConfig, attach_lora, iter_lora_sites
@@ -24,13 +25,7 @@ def _linear() -> torch.nn.Module:
     experts = torch.nn.Module()
     experts.num_local_experts = EXPERTS
     experts.linear_fc1 = FakeColumnParallelGroupedLinear(EXPERTS, HIDDEN, OUT, gated=False)
-    layer = torch.nn.Module()
-    layer.layer_number = 1
-    layer.mlp = torch.nn.Module()
-    layer.mlp.experts = experts
-    model = torch.nn.Module()
-    model.decoder = torch.nn.Module()
-    model.decoder.layers = torch.nn.ModuleList([layer])
+    model = with_experts(experts)
     attach_lora(model, LoraConfig(rank=4, alpha=8.0, targets=("linear_fc1",)))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():

@@ -21,6 +21,7 @@ import importlib.util
 
 import pytest
 import torch
+from support.moe_replay import rel_diff, run_with_replay, topk_indices
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 _HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
@@ -68,26 +69,6 @@ def layers():
         yield ref.cuda(), flex.cuda()  # leaving enable_hybridep closes Megatron's buffer
 
 
-def _run(layer, x, topk_idx, grad_out):
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-    replay = layer.router.router_replay
-    replay.clear_indices()
-    replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-    replay.set_target_indices(topk_idx)
-    x = x.clone().requires_grad_(True)
-    out, _ = layer(x)
-    out.backward(grad_out)
-    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
-    layer.zero_grad(set_to_none=True)
-    return out.detach(), x.grad, grads
-
-
-def _rel(want: torch.Tensor, got: torch.Tensor) -> float:
-    diff = float((want.float() - got.float()).abs().max())
-    return diff / max(float(want.float().abs().max()), 1e-30) if diff else 0.0
-
-
 @pytest.mark.parametrize("allowed", [list(range(EXPERTS)), [0, 3, 4, 7]], ids=["all", "idle"])
 def test_flex_hybridep_cuda_equals_alltoall(layers, allowed):
     from megatron.core.transformer.moe import fused_a2a
@@ -97,17 +78,14 @@ def test_flex_hybridep_cuda_equals_alltoall(layers, allowed):
     g = torch.Generator().manual_seed(len(allowed))
     x = torch.randn(TOKENS, 1, HIDDEN, generator=g).to("cuda", torch.bfloat16)
     grad_out = torch.randn(TOKENS, 1, HIDDEN, generator=g).to("cuda", torch.bfloat16)
-    allowed_t = torch.tensor(allowed)
-    topk_idx = torch.stack(
-        [allowed_t[torch.randperm(len(allowed), generator=g)[:TOPK]] for _ in range(TOKENS)]
-    ).cuda()
-    out_ref, dx_ref, g_ref = _run(ref, x, topk_idx, grad_out)
-    out_hep, dx_hep, g_hep = _run(flex, x, topk_idx, grad_out)
+    topk_idx = topk_indices(allowed, TOKENS, TOPK, g).cuda()
+    out_ref, dx_ref, g_ref = run_with_replay(ref, x, topk_idx, grad_out)
+    out_hep, dx_hep, g_hep = run_with_replay(flex, x, topk_idx, grad_out)
     backend = type(fused_a2a._hybrid_ep_buffer.backend).__name__
     assert backend == "CudaBackend", f"Megatron's buffer runs on {backend}, not the CUDA backend"
     assert out_ref.abs().max() > 0.1  # outputs of order 1: a wrong route is far above bf16
-    assert _rel(out_ref, out_hep) < TOLERANCE, "output"
-    assert _rel(dx_ref, dx_hep) < TOLERANCE, "input gradient"
+    assert rel_diff(out_ref, out_hep) < TOLERANCE, "output"
+    assert rel_diff(dx_ref, dx_hep) < TOLERANCE, "input gradient"
     assert g_ref.keys() == g_hep.keys()
     for name in g_ref:
-        assert _rel(g_ref[name], g_hep[name]) < TOLERANCE, name
+        assert rel_diff(g_ref[name], g_hep[name]) < TOLERANCE, name

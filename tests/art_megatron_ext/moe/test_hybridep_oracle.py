@@ -14,6 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 from support.dist import run_ranks
+from support.moe_replay import rel_diff as _rel
+from support.moe_replay import run_with_replay as _run_layer
+from support.moe_replay import topk_indices
 
 HIDDEN = 16
 TOKENS = 12
@@ -29,35 +32,6 @@ def _cases(num_experts: int, experts_per_rank: int) -> dict[str, list[int]]:
         "last_rank_idle": all_experts[: num_experts - experts_per_rank],
         "two_experts_only": [0, num_experts - 1],
     }
-
-
-def _topk_indices(allowed: list[int], tokens: int, generator: torch.Generator) -> torch.Tensor:
-    allowed_t = torch.tensor(allowed)
-    rows = [
-        allowed_t[torch.randperm(len(allowed), generator=generator)[:TOPK]] for _ in range(tokens)
-    ]
-    return torch.stack(rows)
-
-
-def _run_layer(layer, x, topk_idx, grad_out):
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-    replay = layer.router.router_replay
-    replay.clear_indices()
-    replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-    replay.set_target_indices(topk_idx)
-    x = x.clone().requires_grad_(True)
-    out, _ = layer(x)
-    out.backward(grad_out)
-    grads = {name: p.grad.clone() for name, p in layer.named_parameters() if p.grad is not None}
-    layer.zero_grad(set_to_none=True)
-    return out.detach(), x.grad, grads
-
-
-def _rel(ref: torch.Tensor, got: torch.Tensor) -> float:
-    """Largest difference, relative to the reference's largest magnitude (0.0 when equal)."""
-    diff = (ref - got).abs().max().item()
-    return diff / max(ref.abs().max().item(), 1e-30) if diff else 0.0
 
 
 def _oracle_worker(rank: int, world_size: int, ep: int, tp: int) -> dict:
@@ -91,7 +65,7 @@ def _oracle_worker(rank: int, world_size: int, ep: int, tp: int) -> dict:
             gen = torch.Generator().manual_seed(100 * rank + len(case))
             x = torch.randn(TOKENS, 1, HIDDEN, generator=gen)
             grad_out = torch.randn(TOKENS, 1, HIDDEN, generator=gen)
-            topk_idx = _topk_indices(allowed, TOKENS, gen)
+            topk_idx = topk_indices(allowed, TOKENS, TOPK, gen)
             out_ref, dx_ref, g_ref = _run_layer(ref, x, topk_idx, grad_out)
             out_hep, dx_hep, g_hep = _run_layer(flex, x, topk_idx, grad_out)
             assert g_ref.keys() == g_hep.keys(), (g_ref.keys(), g_hep.keys())
@@ -116,7 +90,7 @@ def _oracle_worker(rank: int, world_size: int, ep: int, tp: int) -> dict:
         gen = torch.Generator().manual_seed(7 + rank)
         x = torch.randn(TOKENS, 1, HIDDEN, generator=gen)
         grad_out = torch.randn(TOKENS, 1, HIDDEN, generator=gen)
-        topk_idx = _topk_indices(list(range(num_experts)), TOKENS, gen)
+        topk_idx = topk_indices(list(range(num_experts)), TOKENS, TOPK, gen)
         out_ref, _, _ = _run_layer(ref, x, topk_idx, grad_out)
         out_hep, _, _ = _run_layer(flex, x, topk_idx, grad_out)
         buffer.backend.dispatch = original
@@ -206,7 +180,7 @@ def _growing_batches(rank: int, world_size: int) -> dict:
             gen = torch.Generator().manual_seed(50 * rank + step)
             x = torch.randn(tokens, 1, HIDDEN, generator=gen)
             grad_out = torch.randn(tokens, 1, HIDDEN, generator=gen)
-            topk_idx = _topk_indices(list(range(8)), tokens, gen)
+            topk_idx = topk_indices(list(range(8)), tokens, TOPK, gen)
             out_ref, dx_ref, g_ref = _run_layer(ref, x, topk_idx, grad_out)
             out_hep, dx_hep, g_hep = _run_layer(flex, x, topk_idx, grad_out)
             worst = max([_rel(out_ref, out_hep), _rel(dx_ref, dx_hep)]
