@@ -1,7 +1,12 @@
 """How stale a rollout is, and what it is worth to the trainer (pure functions).
 
 A choice's `policy_spans` say which policy version sampled each token. Given the trainer's
-current version, a token's *age* is `current - version` (steps behind). From that:
+current version, a token's *age* is `current - version` (steps behind). A span also says which
+base weights made it (`base_version`, absent = 0); a trainer of full weights passes its current
+base version too (`current_base`), and the age counts both: `(current - version) +
+(current_base - base_version)`, the updates of either kind the token is behind (a LoRA-only
+run leaves both base numbers 0, a full-weight run without adapters leaves the slot numbers
+0). From that:
 
 - `policy_age(spans, current)`: the token-weighted mean age.
 - `freshness(spans, current, tau=8)`: the discount `1 / E_token[exp(age / tau)]`, 1.0 for a
@@ -35,29 +40,37 @@ def _spans(choice_or_spans: Mapping[str, Any] | Iterable[Mapping[str, Any]]):
     return list(choice_or_spans)
 
 
-def _ages(spans, current: int) -> list[tuple[int, int]]:
+def _ages(spans, current: int, current_base: int = 0) -> list[tuple[int, int]]:
     """(age, token count) per span."""
     out = []
     for span in spans:
         version, count = span["version"], span["end"] - span["start"]
+        base = span.get("base_version", 0)
         if version > current:
             raise FutureVersionError(
                 f"span {dict(span)} has version {version}, newer than the trainer's {current}"
             )
-        out.append((current - version, count))
+        if base > current_base:
+            raise FutureVersionError(
+                f"span {dict(span)} has base_version {base}, newer than the trainer's base "
+                f"weights {current_base}"
+            )
+        out.append((current - version + current_base - base, count))
     return out
 
 
-def policy_age(choice_or_spans, current: int) -> float:
-    ages = _ages(_spans(choice_or_spans), current)
+def policy_age(choice_or_spans, current: int, current_base: int = 0) -> float:
+    ages = _ages(_spans(choice_or_spans), current, current_base)
     tokens = sum(n for _, n in ages)
     return sum(a * n for a, n in ages) / tokens if tokens else 0.0
 
 
-def freshness(choice_or_spans, current: int, tau: float = DEFAULT_TAU) -> float:
+def freshness(
+    choice_or_spans, current: int, tau: float = DEFAULT_TAU, current_base: int = 0
+) -> float:
     if tau <= 0:
         raise ValueError(f"tau must be positive, got {tau}")
-    ages = _ages(_spans(choice_or_spans), current)
+    ages = _ages(_spans(choice_or_spans), current, current_base)
     tokens = sum(n for _, n in ages)
     if not tokens:
         return 1.0

@@ -1,4 +1,4 @@
-"""Policy provenance: how per-slot versions ride on vLLM's per-step weight-version label.
+"""Policy provenance: how per-slot and base-weight versions ride on vLLM's per-step label.
 
 vLLM's EngineCore stamps every step's outputs with one string, `_weight_version`, and the
 output processor turns the stamps of a request's tokens into contiguous `WeightVersionSpan`s.
@@ -7,8 +7,16 @@ in the same utility call that writes the weights. Every token therefore carries,
 the versions in force in the step that sampled it; the API server decodes the version of the
 request's own slot and merges neighbouring spans of equal version into `policy_spans`.
 
-Encoding: `art1|<lora_int_id>=<version>,...` (ids ascending). Any other label (vLLM's initial
-"default", or a label set through vLLM's own weight-version API) means version 0 everywhere.
+The base weights have a version too (`base_version`: 0 as loaded, +1 per committed
+full-weight update), carried in the same label, so each span says which base weights AND
+which adapter version made its tokens; a span ends where either changes. A span carries
+`base_version` only when it is not 0 (absent = the weights as loaded), so spans of a
+LoRA-only run are exactly what they were before base versions existed.
+
+Encoding: `art1|<lora_int_id>=<version>,...` (ids ascending), followed by `|b=<base>` when the
+base version is not 0 (so LoRA-only labels are what they always were). Any other label
+(vLLM's initial "default", or a label set through vLLM's own weight-version API) means
+version 0 everywhere.
 """
 
 from __future__ import annotations
@@ -18,36 +26,53 @@ from functools import lru_cache
 from typing import Any
 
 PREFIX = "art1|"
+_BASE = "|b="
 
 
-def encode_versions(versions: Mapping[int, int]) -> str:
-    return PREFIX + ",".join(f"{lid}={ver}" for lid, ver in sorted(versions.items()))
+def encode_versions(versions: Mapping[int, int], base_version: int = 0) -> str:
+    label = PREFIX + ",".join(f"{lid}={ver}" for lid, ver in sorted(versions.items()))
+    return f"{label}{_BASE}{base_version}" if base_version else label
 
 
 @lru_cache(maxsize=256)
-def decode_versions(label: str | None) -> dict[int, int]:
+def decode_label(label: str | None) -> tuple[dict[int, int], int]:
+    """(slot versions by LoRA id, base version) of an engine label."""
     if not label or not label.startswith(PREFIX):
-        return {}
-    body = label[len(PREFIX) :]
+        return {}, 0
+    body, _, base = label[len(PREFIX) :].partition(_BASE)
     out: dict[int, int] = {}
     for item in filter(None, body.split(",")):
         lid, _, ver = item.partition("=")
         out[int(lid)] = int(ver)
-    return out
+    return out, int(base) if base else 0
+
+
+def decode_versions(label: str | None) -> dict[int, int]:
+    """The slot versions of a label (a copy: callers may extend it)."""
+    return dict(decode_label(label)[0])
+
+
+def base_version(label: str | None) -> int:
+    return decode_label(label)[1]
 
 
 def slot_version(label: str | None, lora_int_id: int | None) -> int:
     if lora_int_id is None:
         return 0
-    return decode_versions(label).get(lora_int_id, 0)
+    return decode_label(label)[0].get(lora_int_id, 0)
 
 
 def extend_spans(spans: list[dict[str, Any]], more: Iterable[dict[str, Any]]) -> None:
-    """Append spans, merging each into its predecessor when contiguous and of equal version
-    (another slot's update changes the label but not this slot's version)."""
+    """Append spans, merging each into its predecessor when contiguous and of equal slot and
+    base versions (another slot's update changes the label but not this slot's version)."""
     for span in more:
         last = spans[-1] if spans else None
-        if last and last["end"] == span["start"] and last["version"] == span["version"]:
+        if (
+            last
+            and last["end"] == span["start"]
+            and last["version"] == span["version"]
+            and last.get("base_version", 0) == span.get("base_version", 0)
+        ):
             last["end"] = span["end"]
         else:
             spans.append(dict(span))
@@ -67,17 +92,16 @@ def slot_spans(
         lo = max(wv.start, start)
         hi = wv.end if end is None else min(wv.end, end)
         if lo < hi:
-            extend_spans(
-                spans,
-                [
-                    {
-                        "start": lo,
-                        "end": hi,
-                        "slot": slot,
-                        "version": slot_version(wv.version, lora_int_id),
-                    }
-                ],
-            )
+            span = {
+                "start": lo,
+                "end": hi,
+                "slot": slot,
+                "version": slot_version(wv.version, lora_int_id),
+            }
+            base = base_version(wv.version)
+            if base:  # absent = 0, the loaded base weights (LoRA-only spans stay as they were)
+                span["base_version"] = base
+            extend_spans(spans, [span])
     return spans
 
 

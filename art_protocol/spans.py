@@ -14,6 +14,7 @@ def validate_spans(
     choice: Mapping[str, Any],
     num_tokens: int,
     latest_version: int | Mapping[str, int],
+    latest_base_version: int | None = None,
 ) -> Sequence[Mapping[str, Any]]:
     """Check `choice["policy_spans"]` against its `num_tokens` completion tokens.
 
@@ -22,7 +23,11 @@ def validate_spans(
     `ArtClient.latest_versions()`): a token cannot come from a policy the trainer has not
     published. `latest_version` is required so that this check runs in every call; a mapping
     that lacks a span's slot is an error too (base-model spans, slot None, are version 0).
-    Returns the spans.
+
+    Base weights: a span's `base_version` (absent = 0, the weights as loaded) must not be
+    newer than `latest_base_version`, the last full-weight update the trainer published. A
+    span with a base version > 0 needs `latest_base_version` (a trainer of full weights
+    passes it; a LoRA-only trainer never sees such spans). Returns the spans.
     """
     if latest_version is None or isinstance(latest_version, bool):
         raise TypeError(
@@ -57,7 +62,26 @@ def validate_spans(
                 f"span {i} {span} has version {version}, newer than the latest "
                 f"published version {limit}"
             )
+        _check_base(i, span, latest_base_version)
         expected_start = end
     if expected_start != num_tokens:
         raise SpanError(f"spans cover {expected_start} tokens, the choice has {num_tokens}")
     return spans
+
+
+def _check_base(i: int, span: Mapping[str, Any], latest_base_version: int | None) -> None:
+    base = span.get("base_version", 0)
+    if not isinstance(base, int) or isinstance(base, bool) or base < 0:
+        raise SpanError(f"span {i} {span}: base_version must be an integer >= 0")
+    if base == 0:
+        return
+    if latest_base_version is None:
+        raise SpanError(
+            f"span {i} {span} comes from base weights version {base}: pass "
+            "latest_base_version (the last full-weight update published) to check it"
+        )
+    if base > latest_base_version:
+        raise SpanError(
+            f"span {i} {span} has base_version {base}, newer than the latest published base "
+            f"weights {latest_base_version}"
+        )

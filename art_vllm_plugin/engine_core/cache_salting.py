@@ -8,7 +8,10 @@ computed by the old policy. Here every request on a slot gets the salt
     art1:<slot>:<version>[:<user cache_salt>]
 
 so KV computed under an older version is never reused by a newer one, and users who set their
-own `cache_salt` stay separated. Base-model requests are untouched (stock behaviour).
+own `cache_salt` stay separated. Once the base weights have changed (a full-weight update:
+base version > 0) every salt also carries `:b<base version>`, and base-model requests are
+salted too (`art1::0:b<base>`), so no request reuses KV computed by older base weights. Until
+then base-model requests are untouched (stock behaviour).
 
 When the salt is fixed: once, where vLLM builds the `Request` from the client's
 `EngineCoreRequest` (`EngineCore.preprocess_add_request`, on EngineCore's input thread, beside
@@ -32,26 +35,42 @@ from art_vllm_plugin import compat
 from art_vllm_plugin.engine_core.state import engine_state
 
 USER_SALT_ATTR = "_art_user_salt"
-#: The slot version a request's salt was derived from.
+#: The (slot version, base version) a request's salt was derived from.
 SALTED_VERSION_ATTR = "_art_salted_version"
 
 
-def derive_salt(slot: str, version: int, user_salt: str | None) -> str:
+def derive_salt(slot: str, version: int, user_salt: str | None, base_version: int = 0) -> str:
+    """`art1:<slot>:<version>[:b<base>][:<user salt>]`; a base-model request's slot is "".
+    The base part appears once the base weights changed, so LoRA-only salts stay as they
+    always were (and a cache warmed before the plugin's first full-weight update stays
+    usable)."""
     salt = f"art1:{slot}:{version}"
+    if base_version:
+        salt = f"{salt}:b{base_version}"
     return f"{salt}:{user_salt}" if user_salt else salt
 
 
-def salt_request(request, versions: dict[int, int]) -> bool:
-    """Set a queued `Request`'s salt for its slot's current version and re-hash its prompt
-    blocks; True if the salt changed."""
-    lora = request.lora_request
+def _salt_for(lora, user_salt: str | None, versions: dict[int, int], base: int):
+    """(salt, the versions it encodes) for a request on `lora` (None: the base model); the
+    salt is None for a base-model request while the base weights are the loaded ones (stock
+    behaviour: the user's own salt, if any, stands)."""
     if lora is None:
-        return False
+        if not base:
+            return None, (0, 0)
+        return derive_salt("", 0, user_salt, base), (0, base)
+    version = versions.get(lora.lora_int_id, 0)
+    return derive_salt(lora.lora_name, version, user_salt, base), (version, base)
+
+
+def salt_request(request, versions: dict[int, int], base_version: int = 0) -> bool:
+    """Set a queued `Request`'s salt for its slot's current version and the current base
+    version, and re-hash its prompt blocks; True if the salt changed."""
     if not hasattr(request, USER_SALT_ATTR):
         setattr(request, USER_SALT_ATTR, request.cache_salt)
-    version = versions.get(lora.lora_int_id, 0)
-    setattr(request, SALTED_VERSION_ATTR, version)
-    salt = derive_salt(lora.lora_name, version, getattr(request, USER_SALT_ATTR))
+    user_salt = getattr(request, USER_SALT_ATTR)
+    salt, salted = _salt_for(request.lora_request, user_salt, versions, base_version)
+    setattr(request, SALTED_VERSION_ATTR, salted)
+    salt = user_salt if salt is None else salt
     if salt == request.cache_salt:
         return False
     request.cache_salt = salt
@@ -59,26 +78,31 @@ def salt_request(request, versions: dict[int, int]) -> bool:
     return True
 
 
-def resalt_waiting(core, lora_int_id: int, versions: dict[int, int]) -> int:
-    """Re-salt requests of this slot that wait with nothing computed; returns how many."""
+def resalt_waiting(
+    core, lora_int_id: int | None, versions: dict[int, int], base_version: int = 0
+) -> int:
+    """Re-salt requests that wait with nothing computed, of this slot (`lora_int_id`) or of
+    every slot and the base model (None: the base weights changed); returns how many."""
     count = 0
     for request in compat.waiting_requests(compat.engine_scheduler(core)):
         lora = request.lora_request
+        mine = lora_int_id is None or (lora is not None and lora.lora_int_id == lora_int_id)
         if (
-            lora is not None
-            and lora.lora_int_id == lora_int_id
+            mine
             and request.num_computed_tokens == 0
-            and salt_request(request, versions)
+            and salt_request(request, versions, base_version)
         ):
             count += 1
     return count
 
 
-def _versions_seen_from_input_thread(core) -> dict[int, int]:
-    """The engine's slot versions, read from the input thread: the state is never created
-    there (the step loop may be creating it); none yet means no update committed."""
+def _versions_seen_from_input_thread(core) -> tuple[dict[int, int], int]:
+    """The engine's slot and base versions, read from the input thread: the state is never
+    created there (the step loop may be creating it); none yet means no update committed."""
     state = compat.attached_state(core)
-    return state.updates.versions if state is not None else {}
+    if state is None:
+        return {}, 0
+    return state.updates.versions, state.updates.base_version
 
 
 def salt_on_preprocess(preprocess_add_request):
@@ -86,15 +110,15 @@ def salt_on_preprocess(preprocess_add_request):
     `EngineCoreRequest` before vLLM builds the `Request`, which hashes the prompt with it."""
 
     def preprocess_add_request_salted(self, request):
-        lora = request.lora_request
-        if lora is None:
-            return preprocess_add_request(self, request)
+        versions, base = _versions_seen_from_input_thread(self)
         user_salt = request.cache_salt
-        version = _versions_seen_from_input_thread(self).get(lora.lora_int_id, 0)
-        request.cache_salt = derive_salt(lora.lora_name, version, user_salt)
+        salt, salted = _salt_for(request.lora_request, user_salt, versions, base)
+        if salt is None:  # a base-model request on the loaded weights: stock
+            return preprocess_add_request(self, request)
+        request.cache_salt = salt
         req, wave = preprocess_add_request(self, request)
         setattr(req, USER_SALT_ATTR, user_salt)
-        setattr(req, SALTED_VERSION_ATTR, version)
+        setattr(req, SALTED_VERSION_ATTR, salted)
         return req, wave
 
     return preprocess_add_request_salted
@@ -102,15 +126,17 @@ def salt_on_preprocess(preprocess_add_request):
 
 def salt_new_requests(add_request):
     """Wrapper for `EngineCore.add_request` (step loop): a request salted at preprocessing
-    keeps its salt unless its slot's version changed since (no hashing); one that was not
-    (built elsewhere) is salted here."""
+    keeps its salt unless its slot's or the base's version changed since (no hashing); one
+    that was not (built elsewhere) is salted here."""
 
     def add_request_salted(self, request, request_wave: int = 0):
+        updates = engine_state(self).updates
+        versions, base = updates.versions, updates.base_version
         lora = request.lora_request
-        if lora is not None:
-            versions = engine_state(self).updates.versions
-            if getattr(request, SALTED_VERSION_ATTR, None) != versions.get(lora.lora_int_id, 0):
-                salt_request(request, versions)
+        if lora is not None or base:
+            now = (versions.get(lora.lora_int_id, 0) if lora is not None else 0, base)
+            if getattr(request, SALTED_VERSION_ATTR, None) != now:
+                salt_request(request, versions, base)
         return add_request(self, request, request_wave)
 
     return add_request_salted

@@ -57,7 +57,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from art_protocol.digest import digest_dir
-from art_protocol.provenance import encode_versions
 from art_vllm_plugin import compat
 from art_vllm_plugin.engine_core import (
     abandoned_updates,
@@ -72,6 +71,7 @@ from art_vllm_plugin.engine_core.state import (
     SlotUpdates,
     StagedInEngine,
     engine_state,
+    weight_label,
 )
 
 TEST_HOOKS_ENV = "ART_TEST_HOOKS"
@@ -222,7 +222,7 @@ def _take_effect(core, commit: _Commit, ride: step_rides.Ride) -> None:
     state.versions[lid] = commit.staged.version
     # The label of the weights after the swap: each worker holds it beside them and reports it
     # with every forward that uses them (worker/forward_labels.py).
-    commit.label = encode_versions(state.versions)
+    commit.label = weight_label(state)
     ride.args = (commit.label,)
     compat.set_engine_weight_label(core, commit.label)
     commit.resalted = cache_salting.resalt_waiting(core, lid, state.versions)
@@ -278,7 +278,7 @@ def _failed(core, commit: _Commit, result: dict) -> dict:
         state.versions[lid] = commit.previous_version
     else:
         state.versions.pop(lid, None)
-    label = encode_versions(state.versions)
+    label = weight_label(state)
     compat.set_engine_weight_label(core, label)
     batch_stamps.restamp(engine, commit.label, label)
     cache_salting.resalt_waiting(core, lid, state.versions)
@@ -313,7 +313,7 @@ def art_revert_lora_update(self, token: str) -> dict:
     if done.previous_record is not None:
         engine.registry.revert(done.previous_record)
     state.updates -= 1
-    compat.set_engine_weight_label(self, encode_versions(state.versions))
+    compat.set_engine_weight_label(self, weight_label(state))
     cache_salting.resalt_waiting(self, done.lora_int_id, state.versions)
     failed = [r for r in rolled if not r["ok"]]
     errors = [f"rank {r['rank']}: {r['error']}" for r in failed]

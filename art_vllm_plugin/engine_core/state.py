@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from art_protocol.provenance import PREFIX, decode_versions, encode_versions
+from art_protocol.provenance import decode_label, encode_versions
 from art_vllm_plugin import compat, staging
 from art_vllm_plugin.engine_core.slot_registry import SlotRecord, SlotRegistry
 
@@ -45,9 +45,13 @@ class CommittedInEngine:
 
 @dataclass
 class SlotUpdates:
-    """In-flight updates of this engine and the versions its slots serve."""
+    """In-flight updates of this engine and the versions its slots (and its base weights)
+    serve."""
 
     versions: dict[int, int] = field(default_factory=dict)  # lora_int_id -> version
+    #: Version of the base weights this engine serves: 0 as loaded, +1 per committed
+    #: full-weight update (carried in the label beside the slot versions).
+    base_version: int = 0
     updates: int = 0
     failed_commits: int = 0
     staged: dict[str, StagedInEngine] = field(default_factory=dict)
@@ -103,8 +107,8 @@ class LeaseLabels:
         """`label` with every pinned lease id's version added (unchanged when none is)."""
         if not self.pinned:
             return label
-        versions = decode_versions(label) if label and label.startswith(PREFIX) else {}
-        return encode_versions({**versions, **self.pinned})
+        versions, base = decode_label(label)
+        return encode_versions({**versions, **self.pinned}, base)
 
     def current_if_pinned(self, engine_label: str | None) -> str | None:
         """The engine's current label extended with the pinned leases; None when none is
@@ -154,3 +158,8 @@ def engine_state(core) -> EngineCoreState:
     if state is None:
         state = compat.attach_state(core, EngineCoreState())
     return state
+
+
+def weight_label(updates: SlotUpdates) -> str:
+    """The label of the weights this engine serves: every slot's version and the base's."""
+    return encode_versions(updates.versions, updates.base_version)

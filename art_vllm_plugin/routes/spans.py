@@ -8,9 +8,9 @@ a prefix-cache hit, by the forward that filled the cached blocks, which the poli
 cache salt keeps to the same version); they take the version of the first completion token,
 the one the prefill sampled.
 
-`route_spans` have the shape of `policy_spans` (`start`, `end`, `slot`, `version`; half-open,
-contiguous, complete) and count rows of the returned route array: row 0 is prompt position
-`routes_prompt_start`.
+`route_spans` have the shape of `policy_spans` (`start`, `end`, `slot`, `version`, and
+`base_version` when not 0; half-open, contiguous, complete) and count rows of the returned
+route array: row 0 is prompt position `routes_prompt_start`.
 """
 
 from __future__ import annotations
@@ -45,10 +45,19 @@ def route_spans(
         lo, hi = max(lo, 0), min(hi, num_rows)
         if lo >= hi:
             continue
-        if out and out[-1]["version"] == span["version"] and out[-1]["end"] == lo:
+        base = span.get("base_version", 0)
+        if (
+            out
+            and out[-1]["version"] == span["version"]
+            and out[-1].get("base_version", 0) == base
+            and out[-1]["end"] == lo
+        ):
             out[-1]["end"] = hi
         else:
-            out.append({"start": lo, "end": hi, "slot": span["slot"], "version": span["version"]})
+            row = {"start": lo, "end": hi, "slot": span["slot"], "version": span["version"]}
+            if base:
+                row["base_version"] = base
+            out.append(row)
     if not out or out[-1]["end"] != num_rows:
         raise ValueError(
             f"policy spans {policy_spans} do not cover {num_rows} route rows "

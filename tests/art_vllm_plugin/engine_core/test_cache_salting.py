@@ -153,3 +153,21 @@ def test_base_model_requests_keep_the_users_salt(counted):
     req = admit(core, incoming("r1", "user-1", lora=False))
     assert req.cache_salt == "user-1" and not derived
     assert hasher.calls == [("r1", "user-1")]
+
+
+def test_the_base_version_enters_every_salt_once_the_base_weights_changed(counted):
+    """After a full-weight update (base version > 0) a slot request's salt carries it, and a
+    base-model request is salted too (re-hashed); before it both are as they always were."""
+    hasher, core, _ = counted
+    assert cache_salting.derive_salt(SLOT, 3, "u") == f"art1:{SLOT}:3:u"
+    assert admit(core, incoming("r0", "mine", lora=False)).cache_salt == "mine"  # stock
+    engine_state(core).updates.base_version = 1
+    req = admit(core, incoming("r1"))
+    assert req.cache_salt == f"art1:{SLOT}:3:b1"
+    base_model = admit(core, incoming("r2", "mine", lora=False))
+    assert base_model.cache_salt == "art1::0:b1:mine"
+    assert hasher.calls[-1] == ("r2", "art1::0:b1:mine")  # hashed once, with the salt
+    # a request built before the base changed is re-salted on the step loop
+    engine_state(core).updates.base_version = 2
+    waiting = Request.from_engine_core_request(incoming("r3", lora=False), hasher)
+    assert cache_salting.salt_request(waiting, {}, 2) and waiting.cache_salt == "art1::0:b2"
