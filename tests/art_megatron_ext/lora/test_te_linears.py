@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from support.hf_tiny import random_llama_checkpoint
 from support.te_standin import (
     TELayerNormColumnParallelLinear,
     TELinear,
@@ -35,40 +36,6 @@ from art_megatron_ext.lora.hf_weights import load_hf_weights
 from art_megatron_ext.lora.padding import logical_view
 from art_megatron_ext.lora.site import seeded_generator
 from art_megatron_ext.lora.tiny_gpt import build_gpt
-
-
-def _hf_weights(shape, path: Path) -> Path:
-    """A random Llama checkpoint of the tiny shape (norm weights away from 1, so they matter)."""
-    g = torch.Generator().manual_seed(11)
-    h, i, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
-    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
-
-    def rand(*size, scale=0.05):
-        return torch.randn(*size, generator=g) * scale
-
-    tensors = {
-        "model.embed_tokens.weight": rand(v, h, scale=1.0),
-        "model.norm.weight": 1 + rand(h, scale=0.2),
-        "lm_head.weight": rand(v, h),
-    }
-    for n in range(shape.num_hidden_layers):
-        p = f"model.layers.{n}."
-        tensors.update(
-            {
-                p + "input_layernorm.weight": 1 + rand(h, scale=0.2),
-                p + "post_attention_layernorm.weight": 1 + rand(h, scale=0.2),
-                p + "self_attn.q_proj.weight": rand(q, h),
-                p + "self_attn.k_proj.weight": rand(kv, h),
-                p + "self_attn.v_proj.weight": rand(kv, h),
-                p + "self_attn.o_proj.weight": rand(h, q),
-                p + "mlp.gate_proj.weight": rand(i, h),
-                p + "mlp.up_proj.weight": rand(i, h),
-                p + "mlp.down_proj.weight": rand(h, i),
-            }
-        )
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"))
-    return path
 
 
 def _seed_b_(model) -> None:
@@ -115,7 +82,7 @@ def _train_and_export(model, out: Path) -> list[torch.Tensor]:
 def twin_models(megatron_world, tiny_shape, tmp_path):
     """The tiny GPT with the local spec and with the TE (stand-in) spec, same HF weights,
     LoRA attached identically."""
-    hf_dir = _hf_weights(tiny_shape, tmp_path / "hf")
+    hf_dir = random_llama_checkpoint(tiny_shape, tmp_path / "hf")
     models = {}
     for spec in ("local", "te"):
         torch.manual_seed(0)

@@ -1,0 +1,5 @@
+"""Full weights of a Megatron model for the serving side (full-weight updates, issue 26)."""
+
+from art_megatron_ext.weights.hf_stream import StreamReceipt, stream_hf_weights
+
+__all__ = ["StreamReceipt", "stream_hf_weights"]
