@@ -14,8 +14,20 @@ collectives); by default only TP rank 0 calls the sink. The receipt carries the 
 exactly what was handed to the sink, in order (`art_protocol.weights_digest`), which the
 server computes over what it received.
 
+MoE (the Qwen3-MoE GPT of `lora.hf_moe_weights.build_moe_gpt`, inverse of
+`megatron_moe_state_from_hf`): a layer with a router streams `mlp.gate.weight` (the router),
+then every expert's `mlp.experts.{e}.{gate,up,down}_proj.weight` in global expert order;
+`q_layernorm` / `k_layernorm` stream as `self_attn.q_norm` / `k_norm` wherever they exist.
+Each expert-parallel rank holds `num_experts / EP` `SequentialMLP` experts (rank r: global
+experts r * local .. (r + 1) * local - 1); a layer's local experts are stacked and
+all-gathered over the EP group, so the peak is still one layer's experts. Every EP rank takes
+part; by default only TP rank 0 of EP rank 0 calls the sink.
+
 Scope: the dense Llama-style GPT of `lora.tiny_gpt` (local or Transformer Engine spec, any TP
-size), one pipeline stage. MoE experts and pipeline stages are refused by name.
+size) and the MoE GPT above (local spec, any EP size, TP = 1 as its loader), one pipeline
+stage. Refused by name: pipeline stages, MoE at TP or expert-TP > 1, grouped experts
+(`TEGroupedMLP` / `GroupedMLP`, `weight0..N`) and shared experts, which the HF MoE mapping
+does not read.
 """
 
 from __future__ import annotations
@@ -61,6 +73,29 @@ def _gather(shard: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def _ep():
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None, 1, 0
+    return (
+        parallel_state.get_expert_model_parallel_group(),
+        parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_rank(),
+    )
+
+
+def _gather_experts(local: list[torch.Tensor], group, size: int) -> list[torch.Tensor]:
+    """Every expert's tensor in global order from each EP rank's local experts (rank r holds
+    global experts r * len(local) .. (r + 1) * len(local) - 1)."""
+    stacked = torch.stack([t.detach() for t in local])
+    if size > 1:
+        parts = [torch.empty_like(stacked) for _ in range(size)]
+        torch.distributed.all_gather(parts, stacked.contiguous(), group=group)
+        stacked = torch.cat(parts)
+    return list(stacked.unbind(0))
+
+
 def _check_scope(params: dict[str, torch.Tensor]) -> None:
     from megatron.core import parallel_state
 
@@ -72,16 +107,55 @@ def _check_scope(params: dict[str, torch.Tensor]) -> None:
             "stream_hf_weights: pipeline_model_parallel_size > 1 is not supported yet (each "
             "stage would stream its own layers; say so in the issue tracker)"
         )
-    experts = [n for n in params if ".mlp.experts." in n or ".mlp.router." in n]
-    if experts:
+    grouped = [
+        n
+        for n in params
+        if (".mlp.experts." in n and ".local_experts." not in n) or ".mlp.shared_experts." in n
+    ]
+    if grouped:
         raise NotImplementedError(
-            f"stream_hf_weights: MoE layers ({experts[0]}) are not supported yet; the dense "
-            "Llama-style GPT is"
+            f"stream_hf_weights: {grouped[0]} is a grouped or shared expert parameter; only "
+            "SequentialMLP experts (mlp.experts.local_experts.N), as the HF MoE mapping "
+            "(lora.hf_moe_weights) loads them, are supported; nothing was streamed"
         )
+    moe = any(n.endswith(".mlp.router.weight") for n in params)
+    if moe and parallel_state.model_parallel_is_initialized():
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        etp = parallel_state.get_expert_tensor_parallel_world_size()
+        if tp > 1 or etp > 1:
+            raise NotImplementedError(
+                f"stream_hf_weights: MoE layers at tensor parallel {tp} / expert tensor "
+                f"parallel {etp} are not supported (the HF MoE mapping, lora.hf_moe_weights, "
+                "is TP = 1 only); nothing was streamed"
+            )
+
+
+def _moe_tensors(
+    params: dict[str, torch.Tensor], m: str, h: str, fc1, group, size: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An MoE layer's router and every expert (all EP ranks'), in HF names and order."""
+    yield h + "mlp.gate.weight", params[m + "mlp.router.weight"].detach().clone()
+    prefix = m + "mlp.experts.local_experts."
+    local = sorted({int(n[len(prefix) :].split(".")[0]) for n in params if n.startswith(prefix)})
+    if local != list(range(len(local))) or not local:
+        raise ValueError(f"stream_hf_weights: {prefix}N are {local}, not 0..n-1")
+    ups = _gather_experts([params[f"{prefix}{j}.linear_fc1.weight"] for j in local], group, size)
+    downs = _gather_experts([params[f"{prefix}{j}.linear_fc2.weight"] for j in local], group, size)
+    for e, (up_gate, down) in enumerate(zip(ups, downs, strict=True)):
+        gate, up = split_fused_b(fc1, [up_gate])
+        yield f"{h}mlp.experts.{e}.gate_proj.weight", gate
+        yield f"{h}mlp.experts.{e}.up_proj.weight", up
+        yield f"{h}mlp.experts.{e}.down_proj.weight", down.clone()
 
 
 def _layer_tensors(
-    params: dict[str, torch.Tensor], i: int, shape, te_layernorm: bool, group, size: int
+    params: dict[str, torch.Tensor],
+    i: int,
+    shape,
+    te_layernorm: bool,
+    group,
+    size: int,
+    ep: tuple,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Layer i's HF tensors, in checkpoint order."""
     m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -114,7 +188,14 @@ def _layer_tensors(
         h + "self_attn.o_proj.weight",
         _gather(params[m + "self_attention.linear_proj.weight"], 1, group, size),
     )
+    for hf_norm, mg_norm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+        norm = params.get(f"{m}self_attention.{mg_norm}.weight")
+        if norm is not None:  # per-head RMSNorm, the same on every TP rank
+            yield f"{h}self_attn.{hf_norm}.weight", norm.detach().clone()
     yield h + "post_attention_layernorm.weight", params[m + mlp_norm].detach().clone()
+    if m + "mlp.router.weight" in params:
+        yield from _moe_tensors(params, m, h, fc1, *ep)
+        return
     gate, up = split_fused_b(fc1, shards("mlp.linear_fc1.weight"))
     yield h + "mlp.gate_proj.weight", gate
     yield h + "mlp.up_proj.weight", up
@@ -130,14 +211,18 @@ def stream_hf_weights(
 ) -> StreamReceipt:
     """Hand every weight of `model` to `sink(hf_name, full_tensor)`, one layer at a time.
 
-    Collective over the tensor-parallel group (call it on every TP rank). `send` says whether
-    this rank calls the sink (default: TP rank 0). `shape` is the model's `GptShape`. Returns
-    the receipt (digest, tensors, bytes) of what was sent, the same on every rank.
+    Collective over the tensor-parallel group and, for an MoE model, the expert-parallel
+    group (call it on every TP and EP rank). `send` says whether this rank calls the sink
+    (default: TP rank 0, and for an MoE model EP rank 0 too). `shape` is the model's
+    `GptShape` or `MoeShape`. Returns the receipt (digest, tensors, bytes) of what was sent,
+    the same on every rank.
     """
     group, size, rank = _tp()
-    send = rank == 0 if send is None else send
     params = dict(model.named_parameters())
     _check_scope(params)
+    ep = _ep()
+    moe = any(n.endswith(".mlp.router.weight") for n in params)
+    send = (rank == 0 and (not moe or ep[2] == 0)) if send is None else send
     te_layernorm = any(n.endswith("linear_qkv.layer_norm_weight") for n in params)
     digest = WeightsDigest()
 
@@ -155,7 +240,7 @@ def stream_hf_weights(
     )
     layers = shape.num_hidden_layers
     for i in range(layers):
-        for name, tensor in _layer_tensors(params, i, shape, te_layernorm, group, size):
+        for name, tensor in _layer_tensors(params, i, shape, te_layernorm, group, size, ep[:2]):
             emit(name, tensor)
     emit("model.norm.weight", params["decoder.final_layernorm.weight"].detach().clone())
     if "output_layer.weight" in params:  # untied: its own tensor

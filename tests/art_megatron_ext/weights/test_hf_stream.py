@@ -108,20 +108,23 @@ def test_the_digest_names_order_dtype_shape_and_bytes():
         digest(("a\0b", b[1]))
 
 
-def test_moe_layers_are_refused_by_name():
-    (result,) = run_ranks(_moe_worker, world_size=1)
-    assert "MoE layers" in result and "not supported yet" in result
+def test_pipeline_stages_are_refused_by_name():
+    """Each stage holds only its layers; the stream is one stage only (MoE streams: see
+    test_hf_stream_moe.py)."""
+    results = run_ranks(_pipeline_worker, world_size=2)
+    for result in results:
+        assert "pipeline_model_parallel_size > 1" in result and "not supported yet" in result
 
 
-def _moe_worker(rank: int, world: int) -> str:
+def _pipeline_worker(rank: int, world: int) -> str:
     from support.megatron_cpu import cpu_shim, megatron_parallel
 
     from art_megatron_ext.lora.tiny_gpt import GptShape, build_gpt
     from art_megatron_ext.weights import stream_hf_weights
 
     shape = GptShape(**TINY)
-    with cpu_shim(), megatron_parallel():
-        model = build_gpt(shape, num_experts=4)
+    with cpu_shim(), megatron_parallel(pp=world):
+        model = build_gpt(shape, pipeline_parallel=world)
         try:
             stream_hf_weights(model, shape, lambda n, t: None)
         except NotImplementedError as exc:

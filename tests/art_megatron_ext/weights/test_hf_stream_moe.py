@@ -1,0 +1,152 @@
+"""A Qwen3-MoE Megatron GPT's full weights streamed in HF names, one layer at a time, at EP=1
+and EP=2 (gloo ranks, Megatron's own parallel state; the MoE loader is TP = 1 only, so is this).
+
+Both directions bit for bit, as for the dense GPT (test_hf_stream.py): HF checkpoint ->
+`load_hf_moe_weights` -> stream gives back the checkpoint's tensors (router, every expert of
+every EP rank, q/k norms), and random Megatron weights -> stream -> `megatron_moe_state_from_hf`
+gives back this rank's parameters (its own experts included), so the stream is the loader's
+exact inverse. Refusals (grouped experts, MoE at TP > 1) are checked by name.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from support.dist import run_ranks
+
+from art_protocol.weights_digest import WeightsDigest
+
+pytestmark = pytest.mark.train
+
+
+def _worker(rank: int, world: int, hf_dir: str) -> dict:
+    from support.megatron_cpu import cpu_shim, megatron_parallel
+
+    from art_megatron_ext.lora.hf_moe_weights import (
+        MoeShape,
+        _global_name,
+        build_moe_gpt,
+        load_hf_moe_weights,
+        megatron_moe_state_from_hf,
+    )
+    from art_megatron_ext.weights import stream_hf_weights
+
+    shape = MoeShape.from_hf_config(hf_dir)
+    out = {}
+    with cpu_shim(), megatron_parallel(ep=world):
+        torch.manual_seed(0)
+        model = build_moe_gpt(shape, expert_model_parallel_size=world)
+        load_hf_moe_weights(model, hf_dir, shape)
+        got: list[tuple[str, torch.Tensor]] = []
+        receipt = stream_hf_weights(model, shape, lambda n, t: got.append((n, t.clone())))
+        # numpy across the process boundary (torch tensors would travel as shared memory
+        # that dies with this process)
+        out["loaded"] = ([(n, t.numpy()) for n, t in got], receipt)
+        # random Megatron weights (each EP rank's experts differ) -> stream (every rank
+        # sends) -> back to this rank's parameters, in the loader's global names
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                g = torch.Generator().manual_seed(1000 * rank + i)
+                p.copy_(torch.randn(p.shape, generator=g))
+        mine: dict[str, torch.Tensor] = {}
+        stream_hf_weights(model, shape, lambda n, t: mine.__setitem__(n, t.clone()), send=True)
+        back = megatron_moe_state_from_hf(mine, shape)
+        offset = rank * (shape.num_experts // world)
+        params = {_global_name(model, n, offset): p for n, p in model.named_parameters()}
+        out["inverse"] = sorted(n for n, p in params.items() if not torch.equal(back[n], p))
+        out["inverse_count"] = len(params)
+        # the streamed experts of the other EP ranks are theirs, not copies of ours
+        out["all_experts"] = sorted(n for n in back if ".local_experts." in n)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    from support.hf_tiny_moe import random_qwen3_moe_checkpoint
+
+    path = tmp_path_factory.mktemp("hf_moe")
+    random_qwen3_moe_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["ep1", "ep2"])
+def streamed(request, hf_checkpoint):
+    return request.param, run_ranks(_worker, world_size=request.param, args=(str(hf_checkpoint),))
+
+
+def test_stream_gives_back_the_moe_checkpoint(hf_checkpoint, streamed):
+    from safetensors.torch import load_file
+
+    ep, results = streamed
+    assert len(results) == ep
+    want = load_file(str(hf_checkpoint / "model.safetensors"))
+    sent, receipt = results[0]["loaded"]
+    sent = [(name, torch.from_numpy(array)) for name, array in sent]
+    assert sorted(n for n, _ in sent) == sorted(want)
+    assert len({n for n, _ in sent}) == len(sent)
+    for name, tensor in sent:
+        assert tensor.dtype == want[name].dtype and torch.equal(tensor, want[name]), name
+    # EP rank 1 took part in every expert gather but sent nothing (default: EP rank 0 sends)
+    for other in results[1:]:
+        assert other["loaded"][0] == [] and other["loaded"][1] == receipt
+    # one layer at a time: layer indices never go back; experts in global order per layer
+    names = [n for n, _ in sent]
+    layers = [int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))]
+    assert layers == sorted(layers) and len(set(layers)) == 3
+    experts = [
+        int(m.group(1)) for n in names if (m := re.search(r"\.layers\.2\.mlp\.experts\.(\d+)\.", n))
+    ]
+    assert experts == sorted(experts) == [e for e in range(4) for _ in range(3)]
+    digest = WeightsDigest()
+    for name, tensor in sent:
+        digest.update(
+            name, str(tensor.dtype), tuple(tensor.shape), tensor.view(torch.uint8).numpy()
+        )
+    assert receipt.digest == digest.hexdigest() and receipt.tensors == len(sent)
+    assert receipt.bytes == sum(t.numel() * t.element_size() for _, t in sent)
+
+
+def test_stream_inverts_the_moe_loader_on_every_ep_rank(streamed):
+    ep, results = streamed
+    assert len(results) == ep
+    for r in results:
+        assert r["inverse"] == [] and r["inverse_count"] > 0
+        # every rank got all 4 experts of both MoE layers (2 tensors each), not only its own
+        assert len(r["all_experts"]) == 2 * 4 * 2
+
+
+def _refusal_worker(rank: int, world: int, case: str) -> str:
+    from support.gpt_shapes import TINY
+    from support.megatron_cpu import cpu_shim, megatron_parallel
+
+    from art_megatron_ext.lora.tiny_gpt import GptShape, build_gpt
+    from art_megatron_ext.weights import stream_hf_weights
+
+    shape = GptShape(**TINY)
+    tp = 2 if case == "tp2" else 1
+    with cpu_shim(), megatron_parallel(tp=tp):
+        if case == "tp2":
+            model = build_gpt(shape, tensor_parallel=2, sequence_parallel=True, num_experts=4)
+        else:
+            model = build_gpt(shape, num_experts=4)
+            # a grouped-experts parameter name, as TEGroupedMLP / GroupedMLP register them
+            model.decoder.layers[0].mlp.experts.register_parameter(
+                "weight0", torch.nn.Parameter(torch.zeros(1))
+            )
+        try:
+            stream_hf_weights(model, shape, lambda n, t: None)
+        except NotImplementedError as exc:
+            return str(exc)
+    return "no refusal"
+
+
+def test_grouped_experts_are_refused_by_name():
+    (result,) = run_ranks(_refusal_worker, world_size=1, args=("grouped",))
+    assert "decoder.layers.0.mlp.experts.weight0" in result and "SequentialMLP" in result
+
+
+def test_moe_at_tensor_parallel_2_is_refused_by_name():
+    results = run_ranks(_refusal_worker, world_size=2, args=("tp2",))
+    assert all("MoE layers at tensor parallel 2" in r for r in results), results
