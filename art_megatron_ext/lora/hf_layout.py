@@ -14,6 +14,7 @@ Only B (the output side) is fused; the fused parts share one A.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -118,3 +119,21 @@ def local_row_parts(info) -> torch.Tensor:
     if info.target == "linear_fc1" and info.gated:
         return torch.arange(2).repeat_interleave(info.out_local // 2)
     return torch.zeros(info.out_local, dtype=torch.long)
+
+
+def fused_qkv(shape) -> SimpleNamespace:
+    """The layout `split_fused_b` / `fuse_b_shard` need for a whole `linear_qkv` weight of a
+    model of `shape` (a `GptShape` or `MoeShape`): query groups, queries per group, head dim."""
+    return SimpleNamespace(
+        target="linear_qkv",
+        gated=False,
+        qkv_layout=(
+            shape.num_key_value_heads,
+            shape.num_attention_heads // shape.num_key_value_heads,
+            shape.head_dim,
+        ),
+    )
+
+
+FUSED_GATE_UP = SimpleNamespace(target="linear_fc1", gated=True, qkv_layout=None)
+"""The layout of a whole gated `linear_fc1` weight: per TP rank `[gate; up]`."""

@@ -21,11 +21,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-from .hf_layout import fuse_b_shard
+from .hf_layout import fuse_b_shard, fused_qkv
 from .hf_weights import _read_safetensors
 
 
@@ -160,15 +159,7 @@ def megatron_moe_state_from_hf(
     hf: dict[str, torch.Tensor], shape: MoeShape
 ) -> dict[str, torch.Tensor]:
     """Megatron GPT state-dict entries (TP = EP = 1) from HF Qwen3-MoE tensors."""
-    qkv = SimpleNamespace(
-        target="linear_qkv",
-        gated=False,
-        qkv_layout=(
-            shape.num_key_value_heads,
-            shape.num_attention_heads // shape.num_key_value_heads,
-            shape.head_dim,
-        ),
-    )
+    qkv = fused_qkv(shape)
     out = {
         "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
         "decoder.final_layernorm.weight": hf["model.norm.weight"],

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-from .hf_layout import fuse_b_shard
+from .hf_layout import FUSED_GATE_UP, fuse_b_shard, fused_qkv
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -44,16 +43,8 @@ def megatron_state_from_hf(
     `te_layernorm`: the layer norms live in the layernorm-fused linears of a Transformer Engine
     spec (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) instead of
     `input_layernorm` / `pre_mlp_layernorm`."""
-    qkv = SimpleNamespace(
-        target="linear_qkv",
-        gated=False,
-        qkv_layout=(
-            shape.num_key_value_heads,
-            shape.num_attention_heads // shape.num_key_value_heads,
-            shape.head_dim,
-        ),
-    )
-    fc1 = SimpleNamespace(target="linear_fc1", gated=True, qkv_layout=None)
+    qkv = fused_qkv(shape)
+    fc1 = FUSED_GATE_UP
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         return t.chunk(tp_size, dim=0)[tp_rank]

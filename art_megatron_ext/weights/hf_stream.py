@@ -34,11 +34,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
-from art_megatron_ext.lora.hf_layout import split_fused_b
+from art_megatron_ext.lora.hf_layout import FUSED_GATE_UP, fused_qkv, split_fused_b
 from art_protocol.weights_digest import WeightsDigest
 
 
@@ -164,16 +163,8 @@ def _layer_tensors(
         if te_layernorm
         else ("input_layernorm.weight", "pre_mlp_layernorm.weight")
     )
-    qkv = SimpleNamespace(
-        target="linear_qkv",
-        gated=False,
-        qkv_layout=(
-            shape.num_key_value_heads,
-            shape.num_attention_heads // shape.num_key_value_heads,
-            shape.head_dim,
-        ),
-    )
-    fc1 = SimpleNamespace(target="linear_fc1", gated=True, qkv_layout=None)
+    qkv = fused_qkv(shape)
+    fc1 = FUSED_GATE_UP
 
     def shards(name: str) -> list[torch.Tensor]:
         full = _gather(params[m + name], 0, group, size)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from support.dist import run_ranks
 from support.gpt_shapes import TINY
+from support.weight_stream import collect_stream, randomize_
 
 from art_protocol.weights_digest import WeightsDigest
 
@@ -32,17 +33,9 @@ def _worker(rank: int, world: int, hf_dir: str) -> dict:
         torch.manual_seed(0)
         model = build_gpt(shape, tensor_parallel=world)
         load_hf_weights(model, hf_dir, shape)
-        got: list[tuple[str, torch.Tensor]] = []
-        receipt = stream_hf_weights(model, shape, lambda n, t: got.append((n, t.clone())))
-        # numpy across the process boundary (torch tensors would travel as shared memory
-        # that dies with this process)
-        out["loaded"] = ([(n, t.numpy()) for n, t in got], receipt)
+        out["loaded"] = collect_stream(model, shape)
         # random Megatron weights -> stream (every rank sends) -> back to this rank's shards
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(
-                    torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + rank))
-                )
+        randomize_(model, rank)
         mine: dict[str, torch.Tensor] = {}
         stream_hf_weights(model, shape, lambda n, t: mine.__setitem__(n, t.clone()), send=True)
         back = megatron_state_from_hf(mine, shape, rank, world)

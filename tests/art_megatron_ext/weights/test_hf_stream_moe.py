@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 from support.dist import run_ranks
+from support.weight_stream import collect_stream, randomize_
 
 from art_protocol.weights_digest import WeightsDigest
 
@@ -39,17 +40,10 @@ def _worker(rank: int, world: int, hf_dir: str) -> dict:
         torch.manual_seed(0)
         model = build_moe_gpt(shape, expert_model_parallel_size=world)
         load_hf_moe_weights(model, hf_dir, shape)
-        got: list[tuple[str, torch.Tensor]] = []
-        receipt = stream_hf_weights(model, shape, lambda n, t: got.append((n, t.clone())))
-        # numpy across the process boundary (torch tensors would travel as shared memory
-        # that dies with this process)
-        out["loaded"] = ([(n, t.numpy()) for n, t in got], receipt)
+        out["loaded"] = collect_stream(model, shape)
         # random Megatron weights (each EP rank's experts differ) -> stream (every rank
         # sends) -> back to this rank's parameters, in the loader's global names
-        with torch.no_grad():
-            for i, p in enumerate(model.parameters()):
-                g = torch.Generator().manual_seed(1000 * rank + i)
-                p.copy_(torch.randn(p.shape, generator=g))
+        randomize_(model, rank)
         mine: dict[str, torch.Tensor] = {}
         stream_hf_weights(model, shape, lambda n, t: mine.__setitem__(n, t.clone()), send=True)
         back = megatron_moe_state_from_hf(mine, shape)
