@@ -135,3 +135,53 @@ def fail_unwritten(path: Path | None, checks, exc: BaseException, dry: bool = Fa
         else:
             write_verdict(path, check, f"raised {first_line(exc)}", "", False)
     return len(missing)
+
+
+def stage_parser(doc: str, iters: int):
+    """The arguments every bench/gpu_check_*.py stage takes (`--dry-run`, `--verdicts`,
+    `--report`, `--iters`); a stage adds its own."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU: the harness, no rows")
+    parser.add_argument("--verdicts", type=Path)
+    parser.add_argument("--report", type=Path)
+    parser.add_argument("--iters", type=int, default=iters)
+    return parser
+
+
+def guarded(run: Callable[[], int], args, checks) -> int:
+    """`run()` (a stage part returning its failed checks); an exception outside any one row
+    fails the rows of `checks` not yet written, naming it, instead of leaving them "not run"."""
+    try:
+        return run()
+    except Exception as exc:
+        return fail_unwritten(args.verdicts, checks, exc, args.dry_run)
+
+
+class Memo:
+    """Values a stage builds once, on first use, by key (inputs, a library, a ceiling). A
+    failure is kept and re-raised for every later use: each row that needs the value fails
+    naming why, without paying for the attempt again. `clock` times each build (pass one that
+    synchronizes the device to see GPU time)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._values: dict[str, object] = {}
+
+    def get(self, key: str, make: Callable[[], object]):
+        if key not in self._values:
+            t0 = self._clock()
+            try:
+                self._values[key] = make()
+            except Exception as exc:  # kept: re-raised for every row that needs it
+                self._values[key] = exc
+            print(f"elapsed: {key}: {self._clock() - t0:.2f} s", flush=True)
+        value = self._values[key]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    def drop(self, key: str) -> None:
+        """Forget `key` (free what it holds before the next value is built)."""
+        self._values.pop(key, None)

@@ -23,7 +23,6 @@ any GPU measurement; recorded numbers go to bench/RESULTS.md.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gpu_check_common import fail_unwritten, record_verdicts, time_per_call
+from gpu_check_common import guarded, record_verdicts, stage_parser, time_per_call
 
 SPEEDUP_VS_DENSE = 1.0
 SPEEDUP_VS_TILED = 2.0
@@ -181,12 +180,7 @@ def run(dry: bool, verdicts: Path | None, report: Path | None, iters: int) -> in
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--verdicts", type=Path)
-    parser.add_argument("--report", type=Path)
-    parser.add_argument("--iters", type=int, default=10)
-    args = parser.parse_args()
+    args = stage_parser(__doc__, iters=10).parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         print(
             "gpu_check_flex_attention: no CUDA device is visible; this stage times FlexAttention "
@@ -194,10 +188,9 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        failed = run(args.dry_run, args.verdicts, args.report, args.iters)
-    except Exception as exc:  # a compile or launch failure: FAIL rows naming it, not "not run"
-        failed = fail_unwritten(args.verdicts, CHECKS, exc, args.dry_run)
+    failed = guarded(
+        lambda: run(args.dry_run, args.verdicts, args.report, args.iters), args, CHECKS
+    )
     return 1 if failed else 0
 
 

@@ -21,7 +21,6 @@ printed so a slow part shows in the log.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import sys
@@ -32,7 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from gpu_check_common import fail_unwritten, matmul_ceiling_flops, run_check, time_per_call
+from gpu_check_common import (
+    Memo,
+    guarded,
+    matmul_ceiling_flops,
+    run_check,
+    stage_parser,
+    time_per_call,
+)
 from grouped_gemm import skewed_counts
 
 SPEEDUP_TARGET = 1.10
@@ -188,15 +194,15 @@ def _wrong_text(layer: str, found: GroupErrors, groups: int) -> str:
 
 
 class _Stage:
-    """The inputs, library and ceiling, each made once on first use (a failure is kept and
-    re-raised, so every row it affects says why without paying for it again)."""
+    """The inputs, library and ceiling, each made once on first use (`Memo`: a failure is kept
+    and re-raised, so every row it affects says why without paying for it again)."""
 
     def __init__(self, dry: bool, report: Path | None, iters: int):
         self.dry, self.report, self.iters = dry, report, iters
         self.device = "cpu" if dry else "cuda"
         self.rows, self.groups = (256, 4) if dry else (65536, 128)
         self.layers = DRY_LAYERS if dry else LAYERS
-        self._memo: dict[str, object] = {}
+        self._memo = Memo(self.clock)
         if report is not None:
             report.write_text("")
 
@@ -211,19 +217,6 @@ class _Stage:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def once(self, key: str, make):
-        if key not in self._memo:
-            t0 = self.clock()
-            try:
-                self._memo[key] = make()
-            except Exception as exc:  # kept: re-raised for every row that needs it
-                self._memo[key] = exc
-            print(f"elapsed: {key}: {self.clock() - t0:.2f} s", flush=True)
-        value = self._memo[key]
-        if isinstance(value, Exception):
-            raise value
-        return value
-
     def ceiling(self) -> float:
         def measure() -> float:
             n = 256 if self.dry else 8192
@@ -237,14 +230,14 @@ class _Stage:
             )
             return flops
 
-        return self.once("matmul ceiling", measure)
+        return self._memo.get("matmul ceiling", measure)
 
     def lib(self):
         if self.dry:
             return None
         from art_megatron_ext.ops import cutlass_grouped_gemm as cg
 
-        return self.once("load CUTLASS grouped GEMM library", cg.load_library)
+        return self._memo.get("load CUTLASS grouped GEMM library", cg.load_library)
 
     def inputs(self, routing: str):
         """(counts, ends, {layer: (x, w, dy)}) in bf16, drawn on the device."""
@@ -262,10 +255,10 @@ class _Stage:
                 tensors[layer] = (x, w, dy)
             return counts, ends, tensors
 
-        return self.once(f"{routing} inputs ({self.device}, bf16)", make)
+        return self._memo.get(f"{routing} inputs ({self.device}, bf16)", make)
 
     def drop_inputs(self, routing: str) -> None:
-        self._memo.pop(f"{routing} inputs ({self.device}, bf16)", None)
+        self._memo.drop(f"{routing} inputs ({self.device}, bf16)")
 
     def measure(self, op: str, routing: str) -> tuple[str, bool]:
         """(measured, ok) of one (op, routing) row: the worst of the two layers."""
@@ -351,16 +344,10 @@ def run(dry: bool, verdicts: Path | None, report: Path | None, iters: int) -> in
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--verdicts", type=Path)
-    parser.add_argument("--report", type=Path)
-    parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args()
-    try:
-        failed = run(args.dry_run, args.verdicts, args.report, args.iters)
-    except Exception as exc:  # outside any one row (e.g. the report): FAIL the rows left
-        failed = fail_unwritten(args.verdicts, CHECKS, exc, args.dry_run)
+    args = stage_parser(__doc__, iters=20).parse_args()
+    failed = guarded(
+        lambda: run(args.dry_run, args.verdicts, args.report, args.iters), args, CHECKS
+    )
     return 1 if failed else 0
 
 

@@ -17,14 +17,13 @@ included: a floor for an NVLink node, not a kernel figure); and the static-budge
 under `torch.cuda.set_sync_debug_mode("error")`.
 
 Every check writes its row as it ends (gpu_check_common.run_check): an exception is that
-row's FAIL, a dead or stuck rank is named by gpu_check_ranks.run_ranks within its deadline,
+row's FAIL, a dead or stuck rank is named by run_ranks (tests/support/dist.py) within its deadline,
 and the rows after it still run. `--dry-run` runs the same harness on CPU (the reference in
 the kernels' place, the torch backend in every rank) and writes no row.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 import time
@@ -34,8 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from gpu_check_common import copy_ceiling_bytes_per_s, fail_unwritten, run_check, time_per_call
-from gpu_check_ranks import run_ranks
+from gpu_check_common import (
+    Memo,
+    copy_ceiling_bytes_per_s,
+    guarded,
+    run_check,
+    stage_parser,
+    time_per_call,
+)
 from hybridep_local_world import Case, LocalWorld, TorchPath
 
 COPY_TARGET = 0.70
@@ -44,7 +49,7 @@ WORLDS = (2, 4, 8)
 RANK_WORLDS = (2, 4)
 UNALIGNED = Case(world=4, tokens=512, hidden=12, local=4, topk=4, seed=3)
 LARGE_T = Case(world=4, tokens=16384, hidden=7168, local=8, topk=8, seed=4)
-CHECKS = [
+TIMING_CHECKS = [
     *(
         f"HybridEP {op} W={w} kernels alone vs copy ceiling"
         for w in WORLDS
@@ -53,43 +58,29 @@ CHECKS = [
     *(f"HybridEP dispatch+combine W={w} vs torch path" for w in WORLDS),
     UNALIGNED_CHECK := "HybridEP H=12 (unaligned rows): dispatch+combine bitwise",
     LARGE_T_CHECK := "HybridEP T=16384 H=7168 W=4: dispatch+combine bitwise",
+]
+RANK_CHECKS = [
     *(f"HybridEP W={w} processes: fused paths bitwise = torch backend" for w in RANK_WORLDS),
     SYNC_CHECK := "HybridEP static-budget path: no host sync",
 ]
+CHECKS = TIMING_CHECKS + RANK_CHECKS
 RANKS_TIMEOUT_S = 90  # spawn + CUDA init of 4 processes is ~20 s; a stuck one is named after
+RANK_THREADS = 4  # the torch reference runs on the CPU of the 16-core device host
 
 
 def _elapsed(what: str, t0: float) -> None:
     print(f"elapsed: {what}: {time.monotonic() - t0:.1f} s", flush=True)
 
 
-class _Once:
-    """A value built on first use; a failure is kept and re-raised for every row needing it
-    (each such row fails naming it, and it is not retried)."""
-
-    def __init__(self, build) -> None:
-        self._build, self._value, self._error = build, None, None
-
-    def __call__(self):
-        if self._error is not None:
-            raise self._error
-        if self._value is None:
-            try:
-                self._value = self._build()
-            except Exception as exc:
-                self._error = exc
-                raise
-        return self._value
-
-    def release(self) -> None:
-        self._value = None
-
-
 # -- one process: the kernels alone ------------------------------------------------------
 def _timed_rows(case: Case, ceiling: float, iters: int, dry: bool, verdicts, lines) -> int:
     device = "cpu" if dry else "cuda"
     t0 = time.monotonic()
-    world = _Once(lambda: LocalWorld(case, device, kernels=not dry))
+    memo = Memo()
+
+    def world() -> LocalWorld:
+        return memo.get(str(case), lambda: LocalWorld(case, device, kernels=not dry))
+
     failed = 0
 
     def ours(op: str):
@@ -129,7 +120,7 @@ def _timed_rows(case: Case, ceiling: float, iters: int, dry: bool, verdicts, lin
     check = f"HybridEP dispatch+combine W={case.world} vs torch path"
     failed += not run_check(verdicts, check, f">={TORCH_TARGET:.1f}x (gather + a2a copy + "
                             "index_add, one process)", versus_torch, dry)  # fmt: skip
-    world.release()  # free this case's buffers before the next one
+    memo.drop(str(case))  # free this case's buffers before the next one
     if not dry:
         torch.cuda.empty_cache()
     _elapsed(f"timing {case}", t0)
@@ -216,6 +207,19 @@ def _spec(hidden: int, tokens: int, local: int):
     )  # fmt: skip
 
 
+def _run_ranks(fn, world: int, cfg: dict) -> list:
+    """`fn(rank, world, cfg)` on `world` gloo ranks (tests/support/dist.py: a rank that dies,
+    raises or outlives the deadline is named, and no process outlives the call)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from support.dist import run_ranks
+
+    return run_ranks(fn, world, (cfg,), timeout_s=RANKS_TIMEOUT_S, num_threads=RANK_THREADS)
+
+
+def _on_the_gpu() -> None:
+    torch.cuda.set_device(0)  # every rank on the one GPU
+
+
 def _fused_rank(rank: int, world: int, cfg: dict) -> dict:
     """Fused dispatch+permute and unpermute+combine vs the torch backend, bitwise; then the
     fused round trip timed (time-slicing processes, barriers included)."""
@@ -224,6 +228,8 @@ def _fused_rank(rank: int, world: int, cfg: dict) -> dict:
     from hybridep.backends.torch_ref import TorchBackend
 
     dry, T, H, L = cfg["dry"], cfg["tokens"], cfg["hidden"], cfg["local"]
+    if not dry:
+        _on_the_gpu()
     spec = _spec(H, T, L)
     ref = TorchBackend(dist.group.WORLD, spec)
     if dry:
@@ -265,6 +271,7 @@ def _sync_rank(rank: int, world: int, cfg: dict) -> dict:
     from hybridep.backends.cuda import CudaBackend
     from hybridep.backends.torch_ref import TorchBackend
 
+    _on_the_gpu()
     T, H, L = cfg["tokens"], cfg["hidden"], cfg["local"]
     spec = _spec(H, T, L)
     ours, ref = CudaBackend(dist.group.WORLD, spec), TorchBackend(dist.group.WORLD, spec)
@@ -308,7 +315,7 @@ def ranks(dry: bool, verdicts: Path | None) -> int:
     for w in RANK_WORLDS[:1] if dry else RANK_WORLDS:
 
         def fused(w=w):
-            res = run_ranks(_fused_rank, w, cfg, timeout_s=RANKS_TIMEOUT_S)
+            res = _run_ranks(_fused_rank, w, cfg)
             same = all(r["same"] for r in res)
             ms = max(r["secs"] for r in res) * 1e3
             text = (
@@ -326,7 +333,7 @@ def ranks(dry: bool, verdicts: Path | None) -> int:
 
     def sync():
         sync_cfg = dict(dry=False, tokens=512, hidden=1024, local=4, topk=4, budget=512 * 4)
-        res = run_ranks(_sync_rank, 2, sync_cfg, timeout_s=RANKS_TIMEOUT_S)
+        res = _run_ranks(_sync_rank, 2, sync_cfg)
         errors = [r["error"] for r in res if r["error"]]
         same = all(r["same_as_torch"] for r in res)
         return (errors[0] if errors else f"no sync; outputs equal torch backend: {same}",
@@ -338,13 +345,9 @@ def ranks(dry: bool, verdicts: Path | None) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = stage_parser(__doc__, iters=20)
     parser.add_argument("--timing", action="store_true", help="one process, kernels alone")
     parser.add_argument("--ranks", action="store_true", help="W processes, IPC, fused paths")
-    parser.add_argument("--dry-run", action="store_true", help="CPU: the harness, no rows")
-    parser.add_argument("--verdicts", type=Path)
-    parser.add_argument("--report", type=Path)
-    parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         print(
@@ -352,18 +355,11 @@ def main() -> int:
         )
         return 2
     failed = 0
-    rank_checks = [c for c in CHECKS if "processes" in c or c == SYNC_CHECK]
     if args.ranks or args.dry_run:
-        try:
-            failed += ranks(args.dry_run, args.verdicts)
-        except Exception as exc:  # outside any one row: FAIL the rows left, naming it
-            failed += fail_unwritten(args.verdicts, rank_checks, exc, args.dry_run)
+        failed += guarded(lambda: ranks(args.dry_run, args.verdicts), args, RANK_CHECKS)
     if args.timing or args.dry_run:
-        try:
-            failed += timing(args.dry_run, args.verdicts, args.report, args.iters)
-        except Exception as exc:
-            timing_checks = [c for c in CHECKS if c not in rank_checks]
-            failed += fail_unwritten(args.verdicts, timing_checks, exc, args.dry_run)
+        run_timing = lambda: timing(args.dry_run, args.verdicts, args.report, args.iters)  # noqa: E731
+        failed += guarded(run_timing, args, TIMING_CHECKS)
     return 1 if failed else 0
 
 

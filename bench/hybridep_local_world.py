@@ -138,8 +138,9 @@ class LocalWorld:
     def combine(self) -> None:
         """Every rank's combine: its tokens' rows pulled from every area and summed."""
         if not self.kernels:
-            self.out.copy_(self.expected_combine()[0])
-            self.out_probs.copy_(self.expected_combine()[1])
+            out, out_probs = self.expected_combine()
+            self.out.copy_(out)
+            self.out_probs.copy_(out_probs)
             return
         for p in self._params["combine"]:
             status = self.lib.art_hybridep_combine(p)

@@ -1,5 +1,6 @@
-"""Rank functions for the CPU tests of bench/gpu_check_ranks.run_ranks (importable by the
-spawned children, which a test module's own functions are not reliably)."""
+"""Rank functions for the CPU tests of `support.dist.run_ranks`, which the GPU check's
+multi-process stage runs its ranks with (importable by the spawned children, which a test
+module's own functions are not reliably)."""
 
 from __future__ import annotations
 
