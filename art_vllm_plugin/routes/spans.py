@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from art_protocol.provenance import extend_spans
+
 
 def expected_rows(prompt_len: int, completion_len: int, prompt_start: int) -> int:
     """Rows a finished choice has: every token but the last was consumed by a forward."""
@@ -45,19 +47,8 @@ def route_spans(
         lo, hi = max(lo, 0), min(hi, num_rows)
         if lo >= hi:
             continue
-        base = span.get("base_version", 0)
-        if (
-            out
-            and out[-1]["version"] == span["version"]
-            and out[-1].get("base_version", 0) == base
-            and out[-1]["end"] == lo
-        ):
-            out[-1]["end"] = hi
-        else:
-            row = {"start": lo, "end": hi, "slot": span["slot"], "version": span["version"]}
-            if base:
-                row["base_version"] = base
-            out.append(row)
+        # merged like policy spans: contiguous, same slot version and base version
+        extend_spans(out, [{**span, "start": lo, "end": hi}])
     if not out or out[-1]["end"] != num_rows:
         raise ValueError(
             f"policy spans {policy_spans} do not cover {num_rows} route rows "

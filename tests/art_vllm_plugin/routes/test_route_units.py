@@ -26,6 +26,19 @@ def test_store_rows_follow_kv_blocks_so_a_second_request_on_the_same_blocks_read
         store.read([5, 2, 3], 0, 13)
 
 
+def test_route_spans_end_where_the_base_version_changes_and_keep_it():
+    # same slot version throughout; the base weights changed after completion token 1
+    policy = [
+        {"start": 0, "end": 2, "slot": "s", "version": 3},
+        {"start": 2, "end": 5, "slot": "s", "version": 3, "base_version": 1},
+    ]
+    spans = route_spans(policy, prompt_len=4, prompt_start=0, num_rows=expected_rows(4, 5, 0))
+    assert spans == [
+        {"start": 0, "end": 5, "slot": "s", "version": 3},
+        {"start": 5, "end": 8, "slot": "s", "version": 3, "base_version": 1},
+    ]
+
+
 def test_route_spans_take_the_sampling_version_of_the_next_token():
     # prompt of 4 tokens, 5 completion tokens; tokens 0-1 sampled at v1, 2-4 at v2
     policy = [
