@@ -51,48 +51,37 @@ class StreamReceipt:
     digest: str
 
 
-def _tp():
+def _group(kind: str) -> tuple:
+    """(group, size, this rank) of Megatron's `kind` parallel group ("tensor_model" or
+    "expert_model"); a world of one when no parallel state is set up."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         return None, 1, 0
-    return (
-        parallel_state.get_tensor_model_parallel_group(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_rank(),
+    return tuple(
+        getattr(parallel_state, f"get_{kind}_parallel_{what}")()
+        for what in ("group", "world_size", "rank")
     )
+
+
+def _shards(shard: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """Every rank's `shard` (same shape on every rank), in rank order."""
+    if size == 1:  # callers concatenate or split it: never a view of the parameter
+        return [shard.detach()]
+    parts = [torch.empty_like(shard) for _ in range(size)]
+    torch.distributed.all_gather(parts, shard.detach().contiguous(), group=group)
+    return parts
 
 
 def _gather(shard: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
     """The full tensor from every TP rank's shard, concatenated along `dim`."""
-    if size == 1:
-        return shard.detach().clone()
-    parts = [torch.empty_like(shard) for _ in range(size)]
-    torch.distributed.all_gather(parts, shard.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def _ep():
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return None, 1, 0
-    return (
-        parallel_state.get_expert_model_parallel_group(),
-        parallel_state.get_expert_model_parallel_world_size(),
-        parallel_state.get_expert_model_parallel_rank(),
-    )
+    return torch.cat(_shards(shard, group, size), dim=dim)
 
 
 def _gather_experts(local: list[torch.Tensor], group, size: int) -> list[torch.Tensor]:
     """Every expert's tensor in global order from each EP rank's local experts (rank r holds
     global experts r * len(local) .. (r + 1) * len(local) - 1)."""
-    stacked = torch.stack([t.detach() for t in local])
-    if size > 1:
-        parts = [torch.empty_like(stacked) for _ in range(size)]
-        torch.distributed.all_gather(parts, stacked.contiguous(), group=group)
-        stacked = torch.cat(parts)
-    return list(stacked.unbind(0))
+    return [t for part in _shards(torch.stack(local), group, size) for t in part.unbind(0)]
 
 
 def _check_scope(params: dict[str, torch.Tensor]) -> None:
@@ -167,8 +156,7 @@ def _layer_tensors(
     fc1 = FUSED_GATE_UP
 
     def shards(name: str) -> list[torch.Tensor]:
-        full = _gather(params[m + name], 0, group, size)
-        return list(full.chunk(size, dim=0))
+        return _shards(params[m + name], group, size)
 
     yield h + "input_layernorm.weight", params[m + attn_norm].detach().clone()
     q, k, v = split_fused_b(qkv, shards("self_attention.linear_qkv.weight"))
@@ -208,10 +196,10 @@ def stream_hf_weights(
     `GptShape` or `MoeShape`. Returns the receipt (digest, tensors, bytes) of what was sent,
     the same on every rank.
     """
-    group, size, rank = _tp()
+    group, size, rank = _group("tensor_model")
     params = dict(model.named_parameters())
     _check_scope(params)
-    ep = _ep()
+    ep = _group("expert_model")
     moe = any(n.endswith(".mlp.router.weight") for n in params)
     send = (rank == 0 and (not moe or ep[2] == 0)) if send is None else send
     te_layernorm = any(n.endswith("linear_qkv.layer_norm_weight") for n in params)
