@@ -7,6 +7,23 @@ from __future__ import annotations
 import torch
 
 
+def alltoall_and_flex_layers(**config):
+    """(MoELayer on Megatron's alltoall dispatcher, MoELayer on its flex dispatcher with the
+    hybridep backend) with the same weights, from `moe_test_config(**config)`; parallel state
+    and `enable_hybridep` must be set up by the caller. Seeds torch (1234) first."""
+    from support.megatron_cpu import build_moe_layer, moe_test_config
+
+    torch.manual_seed(1234)
+    ref = build_moe_layer(moe_test_config(moe_token_dispatcher_type="alltoall", **config))
+    flex = build_moe_layer(
+        moe_test_config(
+            moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep", **config
+        )
+    )
+    flex.load_state_dict(ref.state_dict())
+    return ref, flex
+
+
 def topk_indices(
     allowed: list[int], tokens: int, topk: int, generator: torch.Generator
 ) -> torch.Tensor:

@@ -21,7 +21,7 @@ import importlib.util
 
 import pytest
 import torch
-from support.moe_replay import rel_diff, run_with_replay, topk_indices
+from support.moe_replay import alltoall_and_flex_layers, rel_diff, run_with_replay, topk_indices
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 _HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
@@ -42,7 +42,6 @@ TOLERANCE = 2e-2  # bf16 on both sides, relative to the largest entry
 def layers():
     """(alltoall MoELayer, flex + hybridep MoELayer) with the same weights, on the GPU."""
     from support.cuda_world import nccl_world_of_one
-    from support.megatron_cpu import build_moe_layer, moe_test_config
 
     from art_megatron_ext.moe import HybridEPOptions, enable_hybridep
 
@@ -58,14 +57,7 @@ def layers():
         init_method_std=0.2,
     )
     with nccl_world_of_one("art_flex_"), enable_hybridep(HybridEPOptions(backend="cuda")):
-        torch.manual_seed(1234)
-        ref = build_moe_layer(moe_test_config(moe_token_dispatcher_type="alltoall", **common))
-        flex = build_moe_layer(
-            moe_test_config(
-                moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep", **common
-            )
-        )
-        flex.load_state_dict(ref.state_dict())
+        ref, flex = alltoall_and_flex_layers(**common)
         yield ref.cuda(), flex.cuda()  # leaving enable_hybridep closes Megatron's buffer
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 from support.dist import run_ranks
+from support.moe_replay import alltoall_and_flex_layers, topk_indices
 from support.moe_replay import rel_diff as _rel
 from support.moe_replay import run_with_replay as _run_layer
-from support.moe_replay import topk_indices
 
 HIDDEN = 16
 TOKENS = 12
@@ -36,7 +36,7 @@ def _cases(num_experts: int, experts_per_rank: int) -> dict[str, list[int]]:
 
 def _oracle_worker(rank: int, world_size: int, ep: int, tp: int) -> dict:
     from megatron.core.transformer.moe import fused_a2a
-    from support.megatron_cpu import build_moe_layer, cpu_shim, megatron_parallel, moe_test_config
+    from support.megatron_cpu import cpu_shim, megatron_parallel
 
     from art_megatron_ext.moe import HybridEPOptions, enable_hybridep
 
@@ -52,14 +52,7 @@ def _oracle_worker(rank: int, world_size: int, ep: int, tp: int) -> dict:
     )
     results: dict = {}
     with cpu_shim(), megatron_parallel(tp=tp, ep=ep), enable_hybridep(HybridEPOptions("torch")):
-        torch.manual_seed(1234)
-        ref = build_moe_layer(moe_test_config(moe_token_dispatcher_type="alltoall", **common))
-        flex = build_moe_layer(
-            moe_test_config(
-                moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep", **common
-            )
-        )
-        flex.load_state_dict(ref.state_dict())
+        ref, flex = alltoall_and_flex_layers(**common)
         results["flex_manager"] = type(flex.token_dispatcher._comm_manager).__name__
         for case, allowed in _cases(num_experts, num_experts // ep).items():
             gen = torch.Generator().manual_seed(100 * rank + len(case))
@@ -146,7 +139,7 @@ def _growing_batches(rank: int, world_size: int) -> dict:
     import logging
 
     from megatron.core.transformer.moe import fused_a2a
-    from support.megatron_cpu import build_moe_layer, cpu_shim, megatron_parallel, moe_test_config
+    from support.megatron_cpu import cpu_shim, megatron_parallel
 
     from art_megatron_ext.moe import HybridEPOptions, enable_hybridep
 
@@ -168,14 +161,7 @@ def _growing_batches(rank: int, world_size: int) -> dict:
     )
     out: dict = {"diffs": []}
     with cpu_shim(), megatron_parallel(tp=1, ep=2), enable_hybridep(HybridEPOptions("torch")):
-        torch.manual_seed(1234)
-        ref = build_moe_layer(moe_test_config(moe_token_dispatcher_type="alltoall", **common))
-        flex = build_moe_layer(
-            moe_test_config(
-                moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep", **common
-            )
-        )
-        flex.load_state_dict(ref.state_dict())
+        ref, flex = alltoall_and_flex_layers(**common)
         for step, tokens in enumerate((TOKENS, 40, 40)):  # the second forward is larger
             gen = torch.Generator().manual_seed(50 * rank + step)
             x = torch.randn(tokens, 1, HIDDEN, generator=gen)
