@@ -156,6 +156,18 @@ __device__ inline unsigned long long global_ns() {
 // raise instead of using rows that rank never wrote.
 constexpr unsigned long long kAbortBit = 1ull << 63;
 
+// Record a failure in the status block: the rank and epoch first, then the code the host and
+// later kernels test, each made visible to the host before the next.
+__device__ inline void record_status(int32_t* status, int32_t code, int rank,
+                                     unsigned long long epoch) {
+  volatile int32_t* s = status;
+  s[1] = rank;
+  s[2] = static_cast<int32_t>(epoch);
+  __threadfence_system();
+  s[0] = code;
+  __threadfence_system();
+}
+
 __global__ void barrier_kernel(unsigned long long* arrivals, unsigned long long* epoch, int world,
                                int rank, int abort_flag, long long timeout_ns, int32_t* status) {
   if (failed(status)) return;
@@ -176,12 +188,7 @@ __global__ void barrier_kernel(unsigned long long* arrivals, unsigned long long*
         break;
       }
       if (static_cast<long long>(global_ns() - start) > timeout_ns) {
-        volatile int32_t* s = status;
-        s[1] = r;
-        s[2] = static_cast<int32_t>(target);
-        __threadfence_system();
-        s[0] = ART_HEP_STATUS_BARRIER_TIMEOUT;
-        __threadfence_system();
+        record_status(status, ART_HEP_STATUS_BARRIER_TIMEOUT, r, target);
         return;
       }
       __nanosleep(256);
@@ -189,14 +196,7 @@ __global__ void barrier_kernel(unsigned long long* arrivals, unsigned long long*
   }
   *epoch = target;
   __threadfence_system();
-  if (aborted >= 0) {
-    volatile int32_t* s = status;
-    s[1] = aborted;
-    s[2] = static_cast<int32_t>(target);
-    __threadfence_system();
-    s[0] = ART_HEP_STATUS_PEER_FAILED;
-    __threadfence_system();
-  }
+  if (aborted >= 0) record_status(status, ART_HEP_STATUS_PEER_FAILED, aborted, target);
 }
 
 // Scalars first; with no own token there is nothing to move (arrays may then be null).
