@@ -31,8 +31,8 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
-def read_header(path: str | Path) -> dict[str, TensorSpec]:
-    """The tensors one `.safetensors` file declares (reads only its header)."""
+def raw_header(path: str | Path) -> tuple[dict, int]:
+    """(the JSON header, the offset its tensors' data starts at) of one `.safetensors` file."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -47,6 +47,14 @@ def read_header(path: str | Path) -> dict[str, TensorSpec]:
         raise LayoutError(f"{path}: unreadable ({exc})") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise LayoutError(f"{path}: header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise LayoutError(f"{path}: header is not a JSON object")
+    return header, 8 + length
+
+
+def read_header(path: str | Path) -> dict[str, TensorSpec]:
+    """The tensors one `.safetensors` file declares (reads only its header)."""
+    header, _ = raw_header(path)
     out = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -58,9 +66,9 @@ def read_header(path: str | Path) -> dict[str, TensorSpec]:
     return out
 
 
-def read_layout(checkpoint_dir: str | Path) -> dict[str, TensorSpec]:
-    """Every tensor of a checkpoint directory: `model.safetensors`, or the shards its
-    `model.safetensors.index.json` names (a name in two shards is an error)."""
+def checkpoint_files(checkpoint_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: `model.safetensors`, or the shards
+    its `model.safetensors.index.json` names."""
     root = Path(checkpoint_dir)
     index = root / INDEX_FILE
     if index.is_file():
@@ -72,9 +80,16 @@ def read_layout(checkpoint_dir: str | Path) -> dict[str, TensorSpec]:
         shards = [SINGLE_FILE]
     else:
         raise LayoutError(f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE}")
+    return [root / shard for shard in shards]
+
+
+def read_layout(checkpoint_dir: str | Path) -> dict[str, TensorSpec]:
+    """Every tensor of a checkpoint directory (`checkpoint_files`; a name in two shards is an
+    error)."""
+    root = Path(checkpoint_dir)
     layout: dict[str, TensorSpec] = {}
-    for shard in shards:
-        for name, spec in read_header(root / shard).items():
+    for shard in checkpoint_files(root):
+        for name, spec in read_header(shard).items():
             if name in layout:
                 raise LayoutError(f"{root}: tensor {name!r} appears in more than one shard")
             layout[name] = spec

@@ -17,7 +17,7 @@ from support.dist import run_ranks
 from support.gpt_shapes import TINY
 from support.weight_stream import collect_stream, randomize_
 
-from art_protocol.weights_digest import WeightsDigest
+from art_protocol.weights_digest import WeightsDigest, digest_checkpoint
 
 
 def _worker(rank: int, world: int, hf_dir: str) -> dict:
@@ -78,27 +78,37 @@ def test_stream_gives_back_the_checkpoint_and_inverts_the_loader(hf_checkpoint, 
             name, str(tensor.dtype), tuple(tensor.shape), tensor.view(torch.uint8).numpy()
         )
     assert receipt.digest == digest.hexdigest() and receipt.tensors == len(sent)
+    # a files update of the same weights has the stream's digest (safetensors sorts by name)
+    assert digest_checkpoint(hf_checkpoint).hexdigest() == receipt.digest
     assert receipt.bytes == sum(t.numel() * t.element_size() for _, t in sent)
     for r in results:
         assert r["inverse"] == [] and r["inverse_count"] > 0
 
 
-def test_the_digest_names_order_dtype_shape_and_bytes():
+def test_the_digest_names_the_set_of_tensors_dtype_shape_and_bytes(tmp_path):
+    from safetensors.torch import save_file
+
     def digest(*tensors) -> str:
         d = WeightsDigest()
         for name, t in tensors:
             d.update(name, str(t.dtype), tuple(t.shape), t.contiguous().view(torch.uint8).numpy())
         return d.hexdigest()
 
-    a, b = ("a", torch.arange(6.0).reshape(2, 3)), ("b", torch.ones(3))
+    a, b = ("a", torch.arange(6.0).reshape(2, 3)), ("b", torch.ones(3, dtype=torch.bfloat16))
     base = digest(a, b)
     assert base.startswith("xxh3-128:") and digest(a, b) == base
-    assert digest(b, a) != base  # reordered
+    assert digest(b, a) == base  # a set: the order of arrival does not count
     assert digest(a) != base  # cut short
     assert digest(("a", a[1].reshape(3, 2)), b) != base  # same bytes, other shape
     assert digest(("a", a[1].to(torch.int32).view(torch.float32)), b) != base  # other bytes
+    assert digest(("c", a[1]), b) != base  # other name
     with pytest.raises(ValueError, match="NUL"):
         digest(("a\0b", b[1]))
+    with pytest.raises(ValueError, match="added twice"):
+        digest(a, a)
+    # the same set in safetensors files, one file or two shards, has the same digest
+    save_file(dict([a, b]), str(tmp_path / "model.safetensors"))
+    assert digest_checkpoint(tmp_path).hexdigest() == base
 
 
 def test_pipeline_stages_are_refused_by_name():
