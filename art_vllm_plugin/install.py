@@ -67,6 +67,7 @@ def install_engine_core() -> None:
     """EngineCore: utility calls, cache salting, batch labels, CPU layout."""
     from art_vllm_plugin.engine_core import (
         abandoned_updates,
+        base_updates,
         batch_stamps,
         blocked_slots,
         cache_salting,
@@ -81,6 +82,7 @@ def install_engine_core() -> None:
     )
 
     compat.add_all(P.SLOT_UPDATE_UTILITIES, slot_updates)
+    compat.add_all(P.BASE_UPDATE_UTILITIES, base_updates)
     # Engines on another host stage from bytes sent in the call (relayed_stages.py).
     compat.add_all(P.RELAYED_STAGE_UTILITIES, relayed_stages)
     # Slot updates ride the next step; an engine that will not step sends them as an RPC.
@@ -133,9 +135,16 @@ def install_worker() -> None:
     """Workers: slot updates (stage, swap, roll back), the committed-model loader, and on the
     CPU platform MoE LoRA and (`--art-routes`) route capture in the V1 runner."""
     from art_vllm_plugin.routes import config as routes_config
-    from art_vllm_plugin.worker import forward_labels, lora_slot_writer, route_layers, step_rides
+    from art_vllm_plugin.worker import (
+        base_weights,
+        forward_labels,
+        lora_slot_writer,
+        route_layers,
+        step_rides,
+    )
 
     compat.add_all(P.WORKER_UTILITIES, lora_slot_writer)
+    compat.add_all(P.WORKER_BASE_UTILITIES, base_weights)
     compat.add_all(P.WORKER_RIDE_UTILITY, step_rides)
     compat.add_all(P.WORKER_ROUTE_LAYER_IDS, route_layers)
     # Each step's output carries the label of the weights its forward ran with.

@@ -452,5 +452,25 @@ GET_TP_GROUP = VllmName(
     "a commit riding a step: the tensor-parallel ranks agree on it (its CPU group)",
 )
 
+# -- full-weight updates (worker/base_weights.py) ---------------------------------------------
+INITIALIZE_LAYERWISE_RELOAD = VllmName(
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "initialize_layerwise_reload",
+    "function",
+    "a base update writes in place as reload_weights does, without its reset_lora_state()",
+)
+FINALIZE_LAYERWISE_RELOAD = VllmName(
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "finalize_layerwise_reload",
+    "function",
+    "re-runs each layer's process_weights_after_loading (CPU GEMM packing, quantization)",
+)
+GET_MODEL_LOADER = VllmName(
+    "vllm.model_executor.model_loader",
+    "get_model_loader",
+    "function",
+    "a revert to the served weights reads them as vLLM loaded them (get_all_weights)",
+)
+
 #: Every declared name.
 ALL: tuple[VllmName, ...] = collect(dict(globals()), VllmName)

@@ -128,6 +128,13 @@ SLOT_UPDATE_UTILITIES = adds(
     by="engine_core.slot_updates",
     why="utility calls of the two-phase slot update and the slot registry",
 )
+BASE_UPDATE_UTILITIES = adds(
+    _ENGINE,
+    "EngineCore",
+    ("art_stage_base_update",),
+    by="engine_core.base_updates",
+    why="utility call that stages a full-weight update (the rest goes through the slot books)",
+)
 RELAYED_STAGE_UTILITIES = adds(
     _ENGINE,
     "EngineCore",
@@ -163,6 +170,13 @@ WORKER_UTILITIES = adds(
     ),
     by="worker.lora_slot_writer",
     why="collective_rpc targets: stage off the step loop, swap between two steps",
+)
+WORKER_BASE_UTILITIES = adds(
+    "vllm.v1.worker.worker_base",
+    "WorkerBase",
+    ("art_rollback_base_update",),
+    by="worker.base_weights",
+    why="collective_rpc target: an engine reverts a full-weight commit another engine failed",
 )
 WORKER_RIDE_UTILITY = adds(
     "vllm.v1.worker.worker_base",

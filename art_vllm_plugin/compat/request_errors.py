@@ -28,6 +28,11 @@ def unfinished_request_ids_with_lora(scheduler, lora_int_ids) -> list[str]:
     ]
 
 
+def unfinished_request_ids(scheduler) -> list[str]:
+    """Ids of every unfinished request (waiting, running, in a batch in flight)."""
+    return list(scheduler.requests)
+
+
 def fail_requests(core, request_ids: list[str]) -> int:
     """Finish `request_ids` with an error and tell their API servers; how many were ended."""
     status = load(names.REQUEST_STATUS_FINISHED_ERROR)

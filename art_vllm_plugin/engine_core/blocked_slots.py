@@ -13,6 +13,9 @@ Who blocks: the engine whose commit could not restore, at once inside its commit
 one more step runs on those weights), then the API server on every engine once the update
 has failed with 503 (`art_block_slot`): with data parallelism an engine that restored cleanly
 blocks too, since the slot's label no longer names one set of weights across engines.
+
+The base weights block the same way under the registry's key `BASE`, and then every request
+of the engine is ended and refused, since every request runs on the base weights.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import functools
 
 from art_vllm_plugin import compat
 from art_vllm_plugin.compat import request_errors
+from art_vllm_plugin.engine_core.slot_registry import BASE
 from art_vllm_plugin.engine_core.state import engine_state
 
 
@@ -39,11 +43,13 @@ def block(core, slot: str, why: str) -> int:
     many requests were ended."""
     registry = engine_state(core).registry
     registry.block(slot, why)
-    rec = registry.slots.get(slot)
-    if rec is None:
-        return 0
     scheduler = compat.engine_scheduler(core)
-    ids = request_errors.unfinished_request_ids_with_lora(scheduler, {rec.lora_int_id})
+    if slot == BASE:
+        ids = request_errors.unfinished_request_ids(scheduler)
+    elif (rec := registry.slots.get(slot)) is not None:
+        ids = request_errors.unfinished_request_ids_with_lora(scheduler, {rec.lora_int_id})
+    else:
+        return 0
     return request_errors.fail_requests(core, ids) if ids else 0
 
 
@@ -57,7 +63,9 @@ def refuse_requests_of_blocked_slots(add_request):
         registry = engine_state(self).registry
         if registry.blocked:
             lora = request.lora_request
-            if lora is not None and lora.lora_int_id in registry.blocked_lora_ids():
+            if BASE in registry.blocked or (
+                lora is not None and lora.lora_int_id in registry.blocked_lora_ids()
+            ):
                 request_errors.refuse_new_request(self, request)
                 return None
         return add_request(self, request, *args, **kwargs)

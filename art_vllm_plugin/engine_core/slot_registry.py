@@ -41,6 +41,12 @@ OPERATIONS_PER_SLOT = 512
 HISTORY_PER_SLOT = 64
 #: A reservation older than this belongs to an API server that died mid-update.
 RESERVATION_TTL_S = 900.0
+#: The registry's key for the base weights: full-weight updates are admitted, replayed,
+#: compare-and-swapped, bound to digests and blocked by the same rules as a slot's. Not a
+#: valid slot name (vLLM's LoRA names are served model names), never listed as a slot.
+BASE = "<base>"
+#: The LoRA id a base update takes in the engine's update books (LoRA ids start at 1).
+BASE_ID = 0
 
 
 @dataclass
@@ -81,8 +87,18 @@ class SlotRegistry:
     history: dict[str, OrderedDict] = field(default_factory=dict)
     #: the exact leases of every API server (engine 0's book is the one used)
     leases: LeaseBook = field(default_factory=LeaseBook)
+    #: the base weights' record: version, path of the files of that version ("" for the
+    #: served model's own), digest
+    base: SlotRecord = field(default_factory=lambda: SlotRecord(BASE, BASE_ID, 0, "", "", 0.0))
     #: bumped on every change a reader could see
     generation: int = 0
+
+    def __post_init__(self) -> None:
+        self.operations.setdefault(BASE, OrderedDict())
+
+    def record(self, slot: str) -> SlotRecord | None:
+        """The record of `slot`, or of the base weights for `BASE`."""
+        return self.base if slot == BASE else self.slots.get(slot)
 
     def register(self, slots: list[dict]) -> None:
         """Add the slots an API server started with; slots already known are kept as they are
@@ -110,6 +126,7 @@ class SlotRegistry:
                 for name, rec in self.slots.items()
             },
             "leases": self.leases.snapshot(),
+            "base": {**asdict(self.base), "blocked": self.blocked.get(BASE)},
         }
 
     def _remember(self, slot: str, version: int, path: str, digest: str) -> None:
@@ -149,7 +166,7 @@ class SlotRegistry:
         `stale` (version not newer), `unknown` slot. Updates of other slots do not matter:
         one update per slot at a time, any number of slots at once."""
         now = time.time() if now is None else now
-        rec = self.slots.get(slot)
+        rec = self.record(slot)
         if rec is None:
             return {"ok": False, "kind": "unknown", "error": f"unknown slot {slot!r}"}
         held = self.reservations.get(slot)
@@ -200,7 +217,7 @@ class SlotRegistry:
     # --- every engine: the committed state -------------------------------------------------
     def commit(self, slot: str, version: int, path: str, digest: str) -> SlotRecord:
         """Record a committed version; returns the previous record (for a revert)."""
-        rec = self.slots[slot]
+        rec = self.record(slot)
         previous = copy.copy(rec)
         rec.version, rec.path, rec.digest = version, path, digest
         rec.updated_at = time.time()
@@ -211,10 +228,13 @@ class SlotRegistry:
 
     def revert(self, previous: SlotRecord) -> None:
         """Put back the record a commit replaced; the version's digest binding stays."""
-        reverted = self.slots.get(previous.name)
+        reverted = self.record(previous.name)
         if reverted is not None and reverted.version != previous.version:
             self.history.get(previous.name, {}).pop(reverted.version, None)  # never served
-        self.slots[previous.name] = previous
+        if previous.name == BASE:
+            self.base = previous
+        else:
+            self.slots[previous.name] = previous
         self.generation += 1
 
     def block(self, slot: str, reason: str) -> None:
@@ -244,7 +264,7 @@ class SlotRegistry:
         """End of an update on this engine: remember a successful operation, count a failed
         one, drop the reservation. A success committed on every engine: the slot is no longer
         blocked and its version is settled (`VersionDigests.settle`)."""
-        rec = self.slots.get(slot)
+        rec = self.record(slot)
         if rec is not None:
             if ok:
                 rec.last_update_ms = elapsed_ms

@@ -65,7 +65,7 @@ from art_vllm_plugin.engine_core import (
     cache_salting,
     step_rides,
 )
-from art_vllm_plugin.engine_core.slot_registry import RESERVATION_TTL_S
+from art_vllm_plugin.engine_core.slot_registry import BASE, BASE_ID, RESERVATION_TTL_S
 from art_vllm_plugin.engine_core.state import (
     CommittedInEngine,
     SlotUpdates,
@@ -80,19 +80,44 @@ TEST_HOOKS_ENV = "ART_TEST_HOOKS"
 _UNRESTORED_FAULT: weakref.WeakSet = weakref.WeakSet()
 
 
-def _stale(state: SlotUpdates, lora_int_id: int, name: str, version: int) -> dict | None:
-    current = state.versions.get(lora_int_id, 0)
+def version_of(state: SlotUpdates, lora_int_id: int) -> int:
+    """The version this engine serves of a slot, or of the base weights (`BASE_ID`)."""
+    return state.base_version if lora_int_id == BASE_ID else state.versions.get(lora_int_id, 0)
+
+
+def _set_version(state: SlotUpdates, lora_int_id: int, version: int) -> None:
+    if lora_int_id == BASE_ID:
+        state.base_version = version
+    elif version:
+        state.versions[lora_int_id] = version
+    else:
+        state.versions.pop(lora_int_id, None)
+
+
+def _resalt(core, state: SlotUpdates, lora_int_id: int) -> int:
+    """Re-salt the waiting requests a change of this slot (of every slot and the base model,
+    for the base weights) concerns; how many."""
+    lid = None if lora_int_id == BASE_ID else lora_int_id
+    return cache_salting.resalt_waiting(core, lid, state.versions, state.base_version)
+
+
+def what(name: str) -> str:
+    return "the base weights" if name == BASE else f"slot {name!r}"
+
+
+def stale(state: SlotUpdates, lora_int_id: int, name: str, version: int) -> dict | None:
+    current = version_of(state, lora_int_id)
     if version <= current:
         return {
             "ok": False,
             "kind": "stale",
-            "error": f"stale version {version} for slot {name!r}: current is {current}",
+            "error": f"stale version {version} for {what(name)}: current is {current}",
             "version": current,
         }
     return None
 
 
-def _open_commits(core, lora_int_id: int) -> list[int]:
+def open_commits(core, lora_int_id: int) -> list[int]:
     """LoRA ids of other slots committed here and not yet finished (they may still revert).
 
     A leftover of this slot's own previous update is final: one slot's updates are serialised,
@@ -121,10 +146,10 @@ def art_stage_lora_update(
     t0 = time.perf_counter()
     engine = engine_state(self)
     state = engine.updates
-    if (stale := _stale(state, lora_int_id, name, version)) is not None:
-        return stale
+    if (refused := stale(state, lora_int_id, name, version)) is not None:
+        return refused
     if not os.path.isdir(marker_dir or stage_dir):
-        return _unseen_stage(marker_dir or stage_dir)
+        return unseen_stage(marker_dir or stage_dir)
     if digest is None:
         try:
             digest = digest_dir(stage_dir)
@@ -132,12 +157,8 @@ def art_stage_lora_update(
             return {"ok": False, "kind": "adapter", "error": f"cannot digest {stage_dir}: {exc}"}
     if (why := engine.registry.digests.refusal(name, version, digest)) is not None:
         return {"ok": False, "kind": "conflict", "error": why}
-    if open_ids := _open_commits(self, lora_int_id):
-        return {
-            "ok": False,
-            "kind": "busy",
-            "error": f"updates of LoRA ids {open_ids} are committing on this engine",
-        }
+    if open_ids := open_commits(self, lora_int_id):
+        return busy(open_ids)
     args = (lora_int_id, name, stage_dir, marker_dir)
     step_rides.queue(self, step_rides.Ride(step_rides.STAGE, token, args))
     ranks = list(range(compat.engine_worker_count(self)))
@@ -148,7 +169,17 @@ def art_stage_lora_update(
     return {"ok": True, "ranks": ranks, "stall_ms": (time.perf_counter() - t0) * 1e3}
 
 
-def _unseen_stage(path: str) -> dict:
+def busy(open_ids: list[int]) -> dict:
+    """Staging refused while other updates are between their commit and their finish here."""
+    names = ["the base weights" if i == BASE_ID else f"LoRA id {i}" for i in open_ids]
+    return {
+        "ok": False,
+        "kind": "busy",
+        "error": f"updates of {', '.join(names)} are committing on this engine",
+    }
+
+
+def unseen_stage(path: str) -> dict:
     """The stage the API server wrote is not on this engine's file system: its workers would
     never find it, nor could they leave a marker, and the update would wait minutes for one.
     Refused at once instead, naming the way out."""
@@ -197,13 +228,14 @@ def art_commit_lora_update(
     staged = state.staged.pop(token, None)
     if staged is None:
         return {"ok": False, "kind": "commit", "error": "no staged update", "restored": True}
-    if (stale := _stale(state, staged.lora_int_id, staged.name, staged.version)) is not None:
+    if (refused := stale(state, staged.lora_int_id, staged.name, staged.version)) is not None:
         art_abort_lora_update(self, token)
-        return stale
+        return refused
     commit = _Commit(
         token, staged, path, digest, operation_id, compat.engine_inflight_batches(self)
     )
-    ride = step_rides.Ride(step_rides.COMMIT, token, ())
+    kind = step_rides.BASE_COMMIT if staged.lora_int_id == BASE_ID else step_rides.COMMIT
+    ride = step_rides.Ride(kind, token, ())
     ride.before_step = lambda: _take_effect(self, commit, ride)
     ride.settle = lambda result: _settle(self, commit, result)
     commit.engine_s = time.perf_counter() - t0
@@ -218,14 +250,15 @@ def _take_effect(core, commit: _Commit, ride: step_rides.Ride) -> None:
     state = engine.updates
     lid = commit.staged.lora_int_id
     commit.step = engine.stamps.scheduled  # batches so far ran on the old weights
-    commit.previous_version = state.versions.get(lid, 0)
-    state.versions[lid] = commit.staged.version
+    commit.previous_version = version_of(state, lid)
+    _set_version(state, lid, commit.staged.version)
     # The label of the weights after the swap: each worker holds it beside them and reports it
     # with every forward that uses them (worker/forward_labels.py).
     commit.label = weight_label(state)
-    ride.args = (commit.label,)
+    # A base commit also names where the weights it replaces can be read again (its undo).
+    ride.args = (commit.label, state.base_path) if lid == BASE_ID else (commit.label,)
     compat.set_engine_weight_label(core, commit.label)
-    commit.resalted = cache_salting.resalt_waiting(core, lid, state.versions)
+    commit.resalted = _resalt(core, state, lid)
     commit.engine_s += time.perf_counter() - t0
 
 
@@ -244,6 +277,11 @@ def _settle(core, commit: _Commit, result: dict) -> dict:
         previous_record = engine.registry.commit(
             staged.name, staged.version, commit.path, digest or ""
         )
+    if staged.lora_int_id == BASE_ID:  # the record of the base weights: path, digest, count
+        previous_record = engine.registry.commit(
+            BASE, staged.version, commit.path or "", digest or ""
+        )
+        state.base_path = commit.path
     state.committed[commit.token] = CommittedInEngine(
         staged.lora_int_id, commit.previous_version, previous_record
     )
@@ -262,6 +300,7 @@ def _settle(core, commit: _Commit, result: dict) -> dict:
         "inflight_batches": commit.inflight_batches,
         "workers": list(range(compat.engine_worker_count(core))),
         "versions": dict(state.versions),
+        "base_version": state.base_version,
         "resalted_waiting": commit.resalted,
     }
 
@@ -274,14 +313,11 @@ def _failed(core, commit: _Commit, result: dict) -> dict:
     staged = commit.staged
     lid = staged.lora_int_id
     state.failed_commits += 1
-    if commit.previous_version:
-        state.versions[lid] = commit.previous_version
-    else:
-        state.versions.pop(lid, None)
+    _set_version(state, lid, commit.previous_version)
     label = weight_label(state)
     compat.set_engine_weight_label(core, label)
     batch_stamps.restamp(engine, commit.label, label)
-    cache_salting.resalt_waiting(core, lid, state.versions)
+    _resalt(core, state, lid)
     restored = bool(result.get("restored"))
     errors = "; ".join(result.get("errors") or ["the commit failed"])
     if core in _UNRESTORED_FAULT:
@@ -302,19 +338,21 @@ def art_revert_lora_update(self, token: str) -> dict:
     done = state.committed.pop(token, None)
     if done is None:
         return {"ok": True, "restored": False}  # nothing was committed here
-    rolled = compat.engine_executor(self).collective_rpc("art_rollback_lora_update", args=(token,))
+    method = (
+        "art_rollback_base_update" if done.lora_int_id == BASE_ID else "art_rollback_lora_update"
+    )
+    rolled = compat.engine_executor(self).collective_rpc(method, args=(token,))
     # Every worker committed this update here, so each must have had its undo to put back; one
     # that had none (`restored: False`) still holds the new weights.
     lost = [r for r in rolled if r["ok"] and not r.get("restored")]
-    if done.previous_version:
-        state.versions[done.lora_int_id] = done.previous_version
-    else:
-        state.versions.pop(done.lora_int_id, None)
+    _set_version(state, done.lora_int_id, done.previous_version)
     if done.previous_record is not None:
         engine.registry.revert(done.previous_record)
+        if done.lora_int_id == BASE_ID:
+            state.base_path = done.previous_record.path or None
     state.updates -= 1
     compat.set_engine_weight_label(self, weight_label(state))
-    cache_salting.resalt_waiting(self, done.lora_int_id, state.versions)
+    _resalt(self, state, done.lora_int_id)
     failed = [r for r in rolled if not r["ok"]]
     errors = [f"rank {r['rank']}: {r['error']}" for r in failed]
     errors += [f"rank {r['rank']}: no undo left to restore" for r in lost]
@@ -426,6 +464,7 @@ def art_slot_state(self) -> dict[str, Any]:
     state, s = engine.updates, engine.stamps
     return {
         "versions": dict(state.versions),
+        "base_version": state.base_version,
         "steps": s.completed,
         "scheduled": s.scheduled,
         "batch_queue_size": compat.engine_batch_queue_size(self),

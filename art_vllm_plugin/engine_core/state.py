@@ -21,6 +21,9 @@ from art_vllm_plugin.engine_core.slot_registry import SlotRecord, SlotRegistry
 
 @dataclass
 class StagedInEngine:
+    """An update staged on this engine's workers; a full-weight update has the LoRA id
+    `slot_registry.BASE_ID` and the name `slot_registry.BASE`."""
+
     lora_int_id: int
     name: str
     version: int
@@ -37,7 +40,7 @@ class CommittedInEngine:
     when it was made (an API server that died between commit and finish leaves one behind;
     it is final after `slot_registry.RESERVATION_TTL_S`)."""
 
-    lora_int_id: int
+    lora_int_id: int  # `slot_registry.BASE_ID` for a full-weight update
     previous_version: int
     previous_record: SlotRecord | None
     at: float = field(default_factory=time.monotonic)
@@ -52,6 +55,9 @@ class SlotUpdates:
     #: Version of the base weights this engine serves: 0 as loaded, +1 per committed
     #: full-weight update (carried in the label beside the slot versions).
     base_version: int = 0
+    #: Where the base weights of `base_version` can be read again (a worker's revert): the
+    #: directory of a full-weight update, None for the served model's own files.
+    base_path: str | None = None
     updates: int = 0
     failed_commits: int = 0
     staged: dict[str, StagedInEngine] = field(default_factory=dict)

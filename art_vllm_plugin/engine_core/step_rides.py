@@ -39,9 +39,26 @@ from dataclasses import dataclass, field
 from art_vllm_plugin import compat
 from art_vllm_plugin.engine_core.state import EngineCoreState, engine_state
 from art_vllm_plugin.worker.forward_labels import RIDES_ATTR, ride_results_of
-from art_vllm_plugin.worker.step_rides import ABORT, COMMIT, FINAL, STAGE
+from art_vllm_plugin.worker.step_rides import (
+    ABORT,
+    BASE_COMMIT,
+    BASE_STAGE,
+    COMMIT,
+    FINAL,
+    STAGE,
+)
 
-__all__ = ["ABORT", "COMMIT", "FINAL", "STAGE", "Ride", "queue", "rides_enabled"]
+__all__ = [
+    "ABORT",
+    "BASE_COMMIT",
+    "BASE_STAGE",
+    "COMMIT",
+    "FINAL",
+    "STAGE",
+    "Ride",
+    "queue",
+    "rides_enabled",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +161,7 @@ def on_output(state: EngineCoreState, scheduler_output, model_runner_output) -> 
 
 def _unknown(ride: Ride, why: str) -> dict | None:
     """The result of a ride whose outcome on the workers is not known."""
-    if ride.kind != COMMIT:
+    if ride.kind not in (COMMIT, BASE_COMMIT):
         return None
     return {"ok": False, "errors": [why], "restored": False, "swap_ms": 0.0}
 

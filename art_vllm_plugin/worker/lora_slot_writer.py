@@ -34,15 +34,15 @@ of each updated slot's adapter, also while it is out of vLLM's CPU cache.
 
 from __future__ import annotations
 
+import functools
 import os
-import queue
-import threading
 
 from art_vllm_plugin import compat, staging
 from art_vllm_plugin.compat import patches
 from art_vllm_plugin.compat.worker import adapter_is_3d
 from art_vllm_plugin.worker import slot_writes, staged_copies
 from art_vllm_plugin.worker.slot_writes import SlotWrites
+from art_vllm_plugin.worker.stager import stage_in_background
 from art_vllm_plugin.worker.state import StagedUpdate, Undo, lora_manager_state, worker_state
 
 #: Test-only fault hook: set only when the server runs with ART_TEST_HOOKS=1 (see
@@ -92,26 +92,6 @@ def _stage(worker, staged: StagedUpdate, request, marker_dir: str, rank: int) ->
     staging.mark(marker_dir, rank, ok, message)
 
 
-def _stager(worker) -> queue.SimpleQueue:
-    """The worker's one staging thread, started once and fed through a queue.
-
-    Why not a thread per update: `Thread.start()` blocks the caller until the new thread
-    runs, and the new thread then holds the GIL for up to the switch interval (5 ms) while
-    it reads the adapter: the stage RPC, and so the engine's step loop, would wait for it. A
-    `put` on a queue returns at once."""
-    state = worker_state(worker)
-    jobs = state.stage_jobs
-    if jobs is None:
-        jobs = state.stage_jobs = queue.SimpleQueue()
-
-        def run():
-            while True:
-                _stage(*jobs.get())
-
-        threading.Thread(target=run, name="art-stager", daemon=True).start()
-    return jobs
-
-
 def art_stage_lora_update(
     self,
     token: str,
@@ -134,7 +114,9 @@ def art_stage_lora_update(
     )
     staged = StagedUpdate(lora_int_id)
     slots.staged[token] = staged
-    _stager(self).put((self, staged, request, marker_dir or stage_dir, rank))
+    stage_in_background(
+        self, functools.partial(_stage, self, staged, request, marker_dir or stage_dir, rank)
+    )
     return rank
 
 

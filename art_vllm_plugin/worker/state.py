@@ -38,9 +38,29 @@ class Undo:
 
 
 @dataclass
+class StagedBase:
+    """A full-weight update read into host memory, waiting for its commit."""
+
+    tensors: dict | None = None  # HF name -> tensor, once staged
+    error: str | None = None
+
+
+@dataclass
+class BaseUndo:
+    """What a full-weight commit replaced: where the previous weights can be read again
+    (None: the served model's own files) and the worker's label before it."""
+
+    previous_dir: str | None
+    label: str | None
+
+
+@dataclass
 class WorkerState:
     staged: dict[str, StagedUpdate] = field(default_factory=dict)  # by update token
     undo: dict[str, Undo] = field(default_factory=dict)
+    #: Full-weight updates staged, and the undo of those committed and not final (by token).
+    staged_base: dict[str, StagedBase] = field(default_factory=dict)
+    undo_base: dict[str, BaseUndo] = field(default_factory=dict)
     #: Test-only fault armed by `art_test_inject_fault` ("commit" or "stage").
     fault: str | None = None
     #: Each updated slot's committed LoRAModel (by LoRA id): what vLLM's loader returns.

@@ -22,10 +22,11 @@ outcome is the markers it leaves, as for a staging RPC.
 
 from __future__ import annotations
 
+import functools
 import time
 
 from art_vllm_plugin import compat, staging
-from art_vllm_plugin.worker import lora_slot_writer
+from art_vllm_plugin.worker import base_weights, lora_slot_writer
 from art_vllm_plugin.worker.state import worker_state
 
 #: Ride kinds, as EngineCore sends them: (kind, token, args).
@@ -35,6 +36,9 @@ COMMIT = "commit"
 ABORT = "abort"
 #: An update is final everywhere: drop the undo copy its commit kept here.
 FINAL = "final"
+#: A full-weight update's stage and commit (`base_weights`); ABORT and FINAL serve both kinds.
+BASE_STAGE = "base_stage"
+BASE_COMMIT = "base_commit"
 
 
 def run(worker, rides: list[tuple]) -> list[dict | None]:
@@ -46,12 +50,25 @@ def run(worker, rides: list[tuple]) -> list[dict | None]:
             _start_staging(worker, token, *args)
             results.append(None)
         elif kind == COMMIT:
-            results.append(_commit_everywhere(worker, token, *args))
+            commit = functools.partial(lora_slot_writer.commit_locked, label=args[0])
+            results.append(
+                _commit_everywhere(worker, token, commit, lora_slot_writer.rollback_locked)
+            )
+        elif kind == BASE_STAGE:
+            _start_base_staging(worker, token, *args)
+            results.append(None)
+        elif kind == BASE_COMMIT:
+            commit = functools.partial(
+                base_weights.commit_locked, label=args[0], previous_dir=args[1]
+            )
+            results.append(_commit_everywhere(worker, token, commit, base_weights.rollback_locked))
         elif kind == ABORT:
             lora_slot_writer.art_abort_lora_update(worker, token)
+            worker_state(worker).staged_base.pop(token, None)
             results.append(None)
         elif kind == FINAL:
             worker_state(worker).undo.pop(token, None)
+            worker_state(worker).undo_base.pop(token, None)
             results.append(None)
         else:
             raise ValueError(f"unknown ride kind {kind!r}")
@@ -70,16 +87,27 @@ def _start_staging(worker, token, lora_int_id, lora_name, stage_dir, marker_dir=
         staging.mark(marker_dir or stage_dir, rank, False, f"engine\n{type(exc).__name__}: {exc}")
 
 
+def _start_base_staging(worker, token, stage_dir, marker_dir) -> None:
+    """As `_start_staging`, for a full-weight update."""
+    try:
+        base_weights.stage(worker, token, stage_dir, marker_dir)
+    except Exception as exc:
+        rank = compat.worker_rank(worker)
+        staging.mark(marker_dir, rank, False, f"engine\n{type(exc).__name__}: {exc}")
+
+
 def art_run_rides(self, rides: list[tuple]) -> list[dict | None]:
     """RPC form, for an engine that will not step: the same rides under the weights lock."""
     with worker_state(self).weights_lock:
         return run(self, rides)
 
 
-def _commit_everywhere(worker, token: str, label: str | None) -> dict:
+def _commit_everywhere(worker, token: str, commit, rollback) -> dict:
+    """`commit(worker, token)` on this rank, then the tensor-parallel ranks agree; where any
+    failed, the ranks that committed `rollback(worker, token)` at once."""
     t0 = time.perf_counter()
     try:
-        mine = lora_slot_writer.commit_locked(worker, token, label)
+        mine = commit(worker, token)
     except Exception as exc:  # raised before any write (the writes restore themselves)
         # Every rank must reach the agreement below, or the others wait for it forever.
         mine = {
@@ -97,7 +125,7 @@ def _commit_everywhere(worker, token: str, label: str | None) -> dict:
     if failed:
         restored = all(o.get("restored") for o in failed)
         if mine["ok"]:  # another rank failed: put this rank's previous weights back now
-            back = lora_slot_writer.rollback_locked(worker, token)
+            back = rollback(worker, token)
             restored = restored and back["ok"]
             mine = {**mine, "ok": False, "restored": back["ok"], "error": back.get("error")}
         if group is not None:  # every rank must learn whether every rank restored

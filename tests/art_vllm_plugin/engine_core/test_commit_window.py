@@ -31,7 +31,7 @@ def test_another_slots_open_commit_holds_staging_back():
     core, sent = stand_in_engine(has_requests=False)
     state = engine_state(core).updates
     state.committed["t-other"] = committed(2)
-    assert slot_updates._open_commits(core, 1) == [2]
+    assert slot_updates.open_commits(core, 1) == [2]
     assert "t-other" in state.committed  # it may still revert: kept
     assert sent == []
 
@@ -40,7 +40,7 @@ def test_the_same_slots_leftover_is_final():
     core, sent = stand_in_engine(has_requests=False)
     state = engine_state(core).updates
     state.committed["t-old"] = committed(1)
-    assert slot_updates._open_commits(core, 1) == []
+    assert slot_updates.open_commits(core, 1) == []
     assert not state.committed
     assert sent == [("art_run_rides", ([("final", "t-old", ())],))]
 
@@ -49,6 +49,6 @@ def test_a_commit_left_by_a_dead_api_server_expires():
     core, sent = stand_in_engine(has_requests=False)
     state = engine_state(core).updates
     state.committed["t-dead"] = committed(2, at=time.monotonic() - RESERVATION_TTL_S - 1)
-    assert slot_updates._open_commits(core, 1) == []
+    assert slot_updates.open_commits(core, 1) == []
     assert not state.committed
     assert sent == [("art_run_rides", ([("final", "t-dead", ())],))]

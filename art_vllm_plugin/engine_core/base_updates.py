@@ -1,0 +1,57 @@
+"""EngineCore side of a full-weight (base) update: staged, then committed between two steps.
+
+A base update goes through the same books as a LoRA slot update (`slot_updates`), under the
+registry's key `slot_registry.BASE` and the LoRA id `BASE_ID`: engine 0 admits it
+(`art_reserve_update`: operation-id replay, compare-and-swap on the base version, one at a
+time across API servers), and `art_commit_lora_update`, `art_revert_lora_update`,
+`art_abort_lora_update` and `art_finish_update` take its token as they take a slot update's.
+So the commit rides the next step (the base version, label and salts change right before the
+batch that carries it is scheduled; every worker writes the staged weights in place before
+that batch's forward, the tensor-parallel ranks agree, and a failure puts everything back),
+a failure some worker could not undo blocks the base weights (every request is refused,
+`blocked_slots`), and the version stays bound to its digest.
+
+What differs is only the stage, here: the workers read the update's safetensors files into
+host memory (`worker/base_weights.py`) instead of an adapter, and the commit ride names the
+directory of the weights it replaces, so a revert can read them again.
+
+While a base commit is open (committed, not finished) no other update stages on this engine,
+and the other way round (`slot_updates.open_commits`): each revert puts back its own weights
+and the label it replaced, which holds only when commits do not interleave.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from art_vllm_plugin import compat
+from art_vllm_plugin.engine_core import slot_updates, step_rides
+from art_vllm_plugin.engine_core.slot_registry import BASE, BASE_ID
+from art_vllm_plugin.engine_core.state import StagedInEngine, engine_state
+
+
+def art_stage_base_update(
+    self, token: str, stage_dir: str, version: int, marker_dir: str, digest: str
+) -> dict:
+    """Have every worker start reading the full weights the API server validated and wrote to
+    `stage_dir` (the workers leave their markers in `marker_dir`). Refused when `version` is
+    not newer, was committed here before with another digest, or another update is
+    committing here (`busy`: asked again)."""
+    t0 = time.perf_counter()
+    engine = engine_state(self)
+    state = engine.updates
+    if (refused := slot_updates.stale(state, BASE_ID, BASE, version)) is not None:
+        return refused
+    if not os.path.isdir(marker_dir):
+        return slot_updates.unseen_stage(marker_dir)
+    if (why := engine.registry.digests.refusal(BASE, version, digest)) is not None:
+        return {"ok": False, "kind": "conflict", "error": why}
+    if open_ids := slot_updates.open_commits(self, BASE_ID):
+        return slot_updates.busy(open_ids)
+    ride = step_rides.Ride(step_rides.BASE_STAGE, token, (stage_dir, marker_dir))
+    step_rides.queue(self, ride)
+    ranks = list(range(compat.engine_worker_count(self)))
+    engine.registry.digests.note_staged(BASE, token, digest)
+    state.staged[token] = StagedInEngine(BASE_ID, BASE, version, ranks, time.perf_counter() - t0)
+    return {"ok": True, "ranks": ranks, "stall_ms": (time.perf_counter() - t0) * 1e3}
