@@ -35,6 +35,8 @@ async def render(art, query_string: bytes, authorization: str | None) -> tuple[i
     await art.follow_engines()
     slots = await art.registry_slots()
     snap = FEED.snapshot(slots.values(), art.updates.failed_unattributed)
+    snap["base_version"] = art.slots.base.get("version", 0)
+    snap["base_blocked"] = art.slots.base.get("blocked")
     raw = parse_qs(query_string.decode("latin-1")).get("max_age_s", [None])[0]
     if raw is None:
         return 200, snap

@@ -7,6 +7,8 @@ import os
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from art_protocol.updates import UpdateRequestError
+from art_protocol.weight_updates import parse_weights_update
 from art_vllm_plugin import compat, features, install
 from art_vllm_plugin.api_server import adapter_push, lease_routes, leases
 from art_vllm_plugin.api_server.auth import require_api_key
@@ -84,6 +86,42 @@ async def lora_update(request: Request):
         return await art.updates.update(update, pushed)  # owns `pushed` from here on
     except UpdateError as exc:
         return _error(exc.status, exc.message)
+
+
+@router.post("/v1/weights/update")
+async def weights_update(request: Request):
+    """Write new full (base) weights between two engine steps on every engine, or on none,
+    and bump the base version (`api_server/base_updates.py`). JSON body
+    `{"path", "version"[, "operation_id", "expected_version", "digest"]}`."""
+    art = request.app.state.art
+    try:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise UpdateError(400, f"body is not valid JSON: {exc}") from exc
+        try:
+            update = parse_weights_update(body)
+        except UpdateRequestError as exc:
+            raise UpdateError(400, str(exc)) from exc
+    except UpdateError as exc:
+        art.updates.failed_unattributed += 1
+        return _error(exc.status, exc.message)
+    try:
+        return await art.base_updates.update(update)
+    except UpdateError as exc:
+        return _error(exc.status, exc.message)
+
+
+@router.get("/v1/weights")
+async def weights(request: Request) -> dict:
+    """The base weights as engine 0's registry has them: version, digest, update counts and
+    whether they are blocked."""
+    art = request.app.state.art
+    await art.slots.refresh(force=True)
+    base = dict(art.slots.base)
+    base.pop("name", None)
+    base.pop("lora_int_id", None)
+    return base
 
 
 #: Faults the test hook arms: a commit that fails after its writes (restored), a staging that

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from art_protocol.weight_updates import slot_named
 from art_vllm_plugin import compat, host_layout, staging
 from art_vllm_plugin.adapters import AdapterFiles
 
@@ -98,7 +99,7 @@ async def call_all(engine_client, engines: list[Engine], method: str, *args) -> 
     )
 
 
-def _engine_failure(exc: BaseException, during: str, keeps: str) -> PublishError:
+def engine_failure(exc: BaseException, during: str, keeps: str) -> PublishError:
     if isinstance(exc, compat.engine_dead_error_class()):
         return PublishError(503, f"the engine died during {during} ({exc}); restart the server")
     return PublishError(
@@ -131,6 +132,50 @@ async def publish(
         )
     except staging.StagingRefused as exc:
         raise PublishError(exc.status, f"{exc}; {keeps}") from exc
+    try:
+        return await stage_and_commit(
+            engine_client,
+            engines,
+            token=token,
+            stage_calls=[
+                _stage_call(e, stage_dir, token, lora_int_id, slot, files, version, digest)
+                for e in engines
+            ],
+            stage_dir=stage_dir,
+            what=f"the adapter at {files.path}",
+            keeps=keeps,
+            slot=slot,
+            version=version,
+            digest=digest,
+            path=path,
+            operation_id=operation_id,
+        )
+    finally:
+        if remote := [e for e in engines if e.remote]:
+            with contextlib.suppress(Exception):  # an engine that is gone took its host's copy
+                await call_all(engine_client, remote, "art_drop_relayed", token)
+        await asyncio.to_thread(staging.remove, stage_dir)
+
+
+async def stage_and_commit(
+    engine_client,
+    engines: list[Engine],
+    *,
+    token: str,
+    stage_calls: list[tuple],
+    stage_dir: Path,
+    what: str,
+    keeps: str,
+    slot: str,
+    version: int,
+    digest: str,
+    path: str | None,
+    operation_id: str | None,
+) -> PublishResult:
+    """Steps 2-4 of the module docstring for an update already written to `stage_dir`:
+    `stage_calls[i]` is the (utility, *args) that starts staging on `engines[i]`; `what` names
+    the update in errors. What is still staged when this fails is aborted; the caller owns
+    `stage_dir`."""
     staged: list[Engine] = []
     committed = False
     try:
@@ -138,20 +183,15 @@ async def publish(
         deadline = time.monotonic() + STAGE_TIMEOUT_S
         results = await asyncio.gather(
             *(
-                _stage_on(
-                    engine_client,
-                    e,
-                    deadline,
-                    *_stage_call(e, stage_dir, token, lora_int_id, slot, files, version, digest),
-                )
-                for e in engines
+                stage_on(engine_client, e, deadline, *call)
+                for e, call in zip(engines, stage_calls, strict=True)
             ),
             return_exceptions=True,
         )
         staged = [e for e, r in zip(engines, results, strict=True) if isinstance(r, dict)]
         for e, res in zip(engines, results, strict=True):
             if isinstance(res, BaseException):
-                raise _engine_failure(res, f"staging on engine {e.dp_rank}", keeps) from res
+                raise engine_failure(res, f"staging on engine {e.dp_rank}", keeps) from res
         for e, res in zip(engines, results, strict=True):
             if not res["ok"]:
                 kind = res.get("kind")
@@ -160,13 +200,13 @@ async def publish(
                 where = f" (engine {e.dp_rank})" if kind == "staging" else ""
                 raise PublishError(status, f"{res['error']}{where}; nothing changed")
         ranks = [r["ranks"] for r in results]
-        await _wait_staged(engine_client, stage_dir, engines, ranks, files, keeps, token)
+        await wait_staged(engine_client, stage_dir, engines, ranks, what, keeps, token)
         stage_ms = (time.perf_counter() - t0) * 1000.0
         results = await call_all(
             engine_client, engines, "art_commit_lora_update", token, path, digest, operation_id
         )
         staged = []  # a commit call consumes what was staged, whatever its outcome
-        await _settle_commits(engine_client, engines, results, token, slot, version, keeps)
+        await settle_commits(engine_client, engines, results, token, slot, version, keeps)
         committed = True
         receipts = [
             {
@@ -191,13 +231,9 @@ async def publish(
             # If an engine is gone, nothing staged there can be used any more anyway.
             with contextlib.suppress(Exception):
                 await call_all(engine_client, staged, "art_abort_lora_update", token)
-        if remote := [e for e in engines if e.remote]:
-            with contextlib.suppress(Exception):  # an engine that is gone took its host's copy
-                await call_all(engine_client, remote, "art_drop_relayed", token)
-        await asyncio.to_thread(staging.remove, stage_dir)
 
 
-async def _settle_commits(engine_client, engines, results, token, slot, version, keeps) -> None:
+async def settle_commits(engine_client, engines, results, token, slot, version, keeps) -> None:
     """Return if every engine committed; else revert the engines that did and raise."""
     ok = [e for e, r in zip(engines, results, strict=True) if isinstance(r, dict) and r["ok"]]
     if len(ok) == len(engines):
@@ -229,7 +265,7 @@ async def _settle_commits(engine_client, engines, results, token, slot, version,
     raise PublishError(
         503,
         f"the update failed to commit on every engine ({errors}) and not every engine could "
-        f"be restored; whether slot {slot!r} serves its previous version or {version} is "
+        f"be restored; whether {slot_named(slot)} serve(s) the previous version or {version} is "
         "unknown",
         state_unknown=True,
     )
@@ -250,7 +286,7 @@ def _stage_call(e: Engine, stage_dir, token, lora_int_id, slot, files, version, 
     )
 
 
-async def _stage_on(engine_client, engine: Engine, deadline: float, method: str, *args) -> dict:
+async def stage_on(engine_client, engine: Engine, deadline: float, method: str, *args) -> dict:
     """Start staging on one engine, asking again while it answers `busy` (another slot's
     update is between its commit and its finish there: a few utility calls)."""
     while True:
@@ -308,15 +344,17 @@ async def _poll_all(engine_client, stage_dir, pending, token: str) -> list:
     return polled
 
 
-async def _wait_staged(
+async def wait_staged(
     engine_client,
     stage_dir,
     engines: list[Engine],
     ranks: list[list[int]],
-    files: AdapterFiles,
+    what: str,
     keeps: str,
     token: str,
 ) -> None:
+    """Until every worker of every engine left its marker: a worker that refused the update
+    (`adapter` kind) is 422 naming `what` was staged, any other failure 500."""
     deadline = time.monotonic() + STAGE_TIMEOUT_S
     pending = list(zip(engines, ranks, strict=True))
     while pending:
@@ -327,12 +365,10 @@ async def _wait_staged(
                 rank, text = sorted(failed.items())[0]
                 kind, _, error = text.partition("\n")
                 if kind == "adapter":
-                    raise PublishError(
-                        422, f"engine refused the adapter at {files.path}: {error}; {keeps}"
-                    )
+                    raise PublishError(422, f"engine refused {what}: {error}; {keeps}")
                 raise PublishError(
                     500,
-                    f"engine {engine.dp_rank} worker rank {rank} failed to stage the adapter "
+                    f"engine {engine.dp_rank} worker rank {rank} failed to stage {what} "
                     f"({error}); every engine aborted the update; {keeps}",
                 )
             if len(ready) < len(engine_ranks):
@@ -344,7 +380,7 @@ async def _wait_staged(
             late = {e.dp_rank: r for e, r in pending}
             raise PublishError(
                 500,
-                f"workers of engines {sorted(late)} did not stage the adapter within "
+                f"workers of engines {sorted(late)} did not stage {what} within "
                 f"{STAGE_TIMEOUT_S:.0f} s; every engine aborted the update; {keeps}",
             )
         await asyncio.sleep(_REMOTE_POLL_S if any(e.remote for e, _ in pending) else _POLL_S)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from art_protocol import digest as adapter_digest
+from art_protocol.weight_updates import BASE_SLOT
 from art_vllm_plugin import compat
 from art_vllm_plugin.adapters import AdapterSignature, read_signature
 from art_vllm_plugin.api_server import slot_publish
@@ -78,6 +79,8 @@ class SlotView:
         self.slots: dict[str, Slot] = {}
         #: Every API server's exact leases, from the same read (`engine_core/lease_book.py`).
         self.lease_book: dict = {"copies": {}, "leases": {}}
+        #: The base weights' record from the same read (version, digest, updates, blocked).
+        self.base: dict = {"version": 0}
         #: LoRA modules that cannot be updated in flight: name -> why (e.g. a hub id).
         self.refused: dict[str, str] = {}
         self._registered = False
@@ -90,6 +93,13 @@ class SlotView:
         self._generation = 0
         now = time.time()
         for name, req in (serving_models.lora_requests if serving_models else {}).items():
+            if name == BASE_SLOT:
+                self.refused[name] = (
+                    f"LoRA module {name!r}: the name is the base weights' (full-weight updates, "
+                    "/art/v1/weights/update); give the module another name"
+                )
+                logger.warning("art: %s; it is served but refused for updates", self.refused[name])
+                continue
             if not Path(req.lora_path).is_dir():
                 # vLLM resolves a hub id itself (in the worker); updates need the slot's
                 # reference adapter on local disk, so such a module serves but is not a slot.
@@ -135,6 +145,7 @@ class SlotView:
 
     def _apply(self, snapshot: dict) -> None:
         self.lease_book = snapshot.get("leases") or {"copies": {}, "leases": {}}
+        self.base = snapshot.get("base") or {"version": 0}
         for name, rec in snapshot["slots"].items():
             if name not in self.local:
                 continue  # registered by an API server with other --lora-modules: not ours

@@ -23,6 +23,7 @@ from typing import Any
 from art_vllm_plugin import compat, staging
 from art_vllm_plugin.api_server import aliases, slot_publish
 from art_vllm_plugin.api_server.auth import configured_keys
+from art_vllm_plugin.api_server.base_updates import BaseUpdater, served_checkpoint
 from art_vllm_plugin.api_server.body_limits import DEFAULT_MAX_BODY_BYTES
 from art_vllm_plugin.api_server.leases import LeaseManager
 from art_vllm_plugin.api_server.metrics_feed import FEED
@@ -61,6 +62,8 @@ class ApiServerState:
     serving_models: Any
     slots: SlotView
     updates: UpdateCoordinator
+    #: Full-weight updates (`/art/v1/weights/update`).
+    base_updates: BaseUpdater
     api_key_digests: list[bytes]
     #: The server's configuration as the capability table sees it (set once at start).
     facts: ServerFacts | None = None
@@ -104,13 +107,16 @@ class ApiServerState:
         staging.sweep(staging_config.root)
         pushed_copies = PushedCopies()
         pushed_copies.sweep()
+        updates = UpdateCoordinator(view, max_rank, paths, staging_config, pushed_copies)
+        model = engine_client.vllm_config.model_config.model
         return cls(
             engine_client=engine_client,
             args=args,
             started_at=time.time(),
             serving_models=serving_models,
             slots=view,
-            updates=UpdateCoordinator(view, max_rank, paths, staging_config, pushed_copies),
+            updates=updates,
+            base_updates=BaseUpdater(updates, served_checkpoint(model), model),
             api_key_digests=configured_keys(getattr(args, "api_key", None)),
             allow_unauthenticated=bool(getattr(args, "art_allow_unauthenticated", False)),
             max_body_bytes=int(getattr(args, "art_max_body_bytes", DEFAULT_MAX_BODY_BYTES)),

@@ -39,6 +39,7 @@ from pathlib import Path
 from art_protocol import digest as adapter_digest
 from art_protocol.push import FILE_PARTS
 from art_protocol.updates import UpdateRequest, UpdateRequestError, UpdateResponse
+from art_protocol.weight_updates import BASE_SLOT
 from art_vllm_plugin import staging
 from art_vllm_plugin.adapters import (
     AdapterError,
@@ -111,9 +112,9 @@ class UpdateCoordinator:
                 404, f"unknown slot {req.slot!r}; slots: {sorted(self.view.local)}; nothing changed"
             )
 
-    async def _note_failure(self, token: str, slot: str | None) -> None:
+    async def note_failure(self, token: str, slot: str | None) -> None:
         """Count a failed update (on every engine) and end its reservation, if any."""
-        if slot is None or slot not in self.view.local:
+        if slot is None or (slot not in self.view.local and slot != BASE_SLOT):
             self.failed_unattributed += 1
             return
         with contextlib.suppress(Exception):  # an engine that died cannot count anything
@@ -129,15 +130,16 @@ class UpdateCoordinator:
             return await self._update_locked(req, token, pushed)
         except BaseException:
             # Also for a bug or a cancellation: never leave a reservation behind.
-            await self._note_failure(token, req.slot)
+            await self.note_failure(token, req.slot)
             raise
         finally:
             self.view.registry_changing()  # counters and versions: the next refresh reads them
             if pushed is not None:
                 await asyncio.to_thread(pushed.discard)
 
-    async def _block(self, name: str, req: UpdateRequest, error: str) -> None:
-        """Block slot `name` on every engine that answers (an engine that died serves nothing)."""
+    async def block(self, name: str, req: UpdateRequest, error: str) -> None:
+        """Block slot `name` (or the base weights, `BASE_SLOT`) on every engine that answers
+        (an engine that died serves nothing)."""
         results = await slot_publish.call_all(
             self.engine_client,
             self.engines,
@@ -151,7 +153,7 @@ class UpdateCoordinator:
             if isinstance(r, BaseException):
                 logger.warning("art: engine %d could not block slot %s: %s", e.dp_rank, name, r)
 
-    async def _reserve(self, req: UpdateRequest, token: str, fingerprint: str | None) -> dict:
+    async def reserve(self, req: UpdateRequest, token: str, fingerprint: str | None) -> dict:
         """Admission on engine 0; waits while another update of the slot (any API server) is
         running."""
         deadline = time.monotonic() + RESERVE_WAIT_S
@@ -220,7 +222,7 @@ class UpdateCoordinator:
             source = "the pushed adapter"
         fingerprint = req.fingerprint(content) if req.operation_id is not None else None
         async with self._locks.setdefault(name, asyncio.Lock()):
-            admitted = await self._reserve(req, token, fingerprint)
+            admitted = await self.reserve(req, token, fingerprint)
             if not admitted["ok"]:
                 if admitted["kind"] == "replay":
                     return {**admitted["response"], "replayed": True}
@@ -280,7 +282,7 @@ class UpdateCoordinator:
                 if pushed is not None:
                     await asyncio.to_thread(self.pushed_copies.discard, resolved)
                 if exc.state_unknown:
-                    await self._block(name, req, exc.message)
+                    await self.block(name, req, exc.message)
                     raise UpdateError(
                         exc.status,
                         f"{exc.message}; requests on slot {name!r} are refused (503) until an "

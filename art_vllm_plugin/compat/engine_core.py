@@ -33,6 +33,12 @@ def freeze_running_requests(core) -> None:
     core.pause_scheduler(mode="keep", clear_cache=False)
 
 
+def engine_paused(core) -> bool:
+    """Whether this engine's scheduler is paused (`EngineCore.is_scheduler_paused`): with data
+    parallelism vLLM's `GET /is_paused` answers only when every engine agrees."""
+    return bool(core.is_scheduler_paused())
+
+
 def engine_batch_queue_size(core) -> int:
     return int(getattr(core, "batch_queue_size", 1) or 1)
 

@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
+from art_protocol.weight_updates import BASE_SLOT, slot_named
 from art_vllm_plugin.engine_core.lease_book import LeaseBook
 from art_vllm_plugin.engine_core.version_digests import VersionDigests
 
@@ -44,7 +45,7 @@ RESERVATION_TTL_S = 900.0
 #: The registry's key for the base weights: full-weight updates are admitted, replayed,
 #: compare-and-swapped, bound to digests and blocked by the same rules as a slot's. Not a
 #: valid slot name (vLLM's LoRA names are served model names), never listed as a slot.
-BASE = "<base>"
+BASE = BASE_SLOT
 #: The LoRA id a base update takes in the engine's update books (LoRA ids start at 1).
 BASE_ID = 0
 
@@ -188,13 +189,13 @@ class SlotRegistry:
             return {
                 "ok": False,
                 "kind": "busy",
-                "error": f"another update of slot {slot!r} is in progress",
+                "error": f"another update of {slot_named(slot)} is in progress",
             }
         if expected_version is not None and expected_version != rec.version:
             return {
                 "ok": False,
                 "kind": "conflict",
-                "error": f"expected_version {expected_version} for slot {slot!r} but the "
+                "error": f"expected_version {expected_version} for {slot_named(slot)} but the "
                 f"current version is {rec.version}",
                 "version": rec.version,
             }
@@ -202,7 +203,7 @@ class SlotRegistry:
             return {
                 "ok": False,
                 "kind": "stale",
-                "error": f"version {version} for slot {slot!r} is not newer than the current "
+                "error": f"version {version} for {slot_named(slot)} is not newer than the current "
                 f"version {rec.version}",
                 "version": rec.version,
             }
@@ -285,6 +286,6 @@ def _conflict_reused(operation_id: str, slot: str) -> dict:
     return {
         "ok": False,
         "kind": "conflict",
-        "error": f"operation_id {operation_id!r} was already used for slot {slot!r} with a "
+        "error": f"operation_id {operation_id!r} was already used for {slot_named(slot)} with a "
         "different body (slot, path, version, expected_version, digest)",
     }

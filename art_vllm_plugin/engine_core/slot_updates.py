@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from art_protocol.digest import digest_dir
+from art_protocol.weight_updates import slot_named
 from art_vllm_plugin import compat
 from art_vllm_plugin.engine_core import (
     abandoned_updates,
@@ -101,17 +102,13 @@ def _resalt(core, state: SlotUpdates, lora_int_id: int) -> int:
     return cache_salting.resalt_waiting(core, lid, state.versions, state.base_version)
 
 
-def what(name: str) -> str:
-    return "the base weights" if name == BASE else f"slot {name!r}"
-
-
 def stale(state: SlotUpdates, lora_int_id: int, name: str, version: int) -> dict | None:
     current = version_of(state, lora_int_id)
     if version <= current:
         return {
             "ok": False,
             "kind": "stale",
-            "error": f"stale version {version} for {what(name)}: current is {current}",
+            "error": f"stale version {version} for {slot_named(name)}: current is {current}",
             "version": current,
         }
     return None
@@ -468,6 +465,7 @@ def art_slot_state(self) -> dict[str, Any]:
         "steps": s.completed,
         "scheduled": s.scheduled,
         "batch_queue_size": compat.engine_batch_queue_size(self),
+        "paused": compat.engine_paused(self),
         "updates": state.updates,
         "failed_commits": state.failed_commits,
         "blocked": dict(engine.registry.blocked),

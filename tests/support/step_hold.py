@@ -4,8 +4,9 @@ A client's `POST /pause?mode=keep` lands wherever the host's timing puts it: wit
 suite running beside a `-tp 2` server on two cores, a 96-token generation had ended before
 the pause arrived. So the engine freezes itself: `POST /art/v1/test/hold` (ART_TEST_HOOKS=1)
 arms it to freeze its running requests once it has completed a given step, as
-`/pause?mode=keep` does; the test waits until vLLM's `GET /is_paused` says so, publishes, and
-resumes with `POST /resume`. The update then lands after exactly that step on every host.
+`/pause?mode=keep` does; the test waits until engine 0 says it is paused (`GET /art/v1/engine`:
+vLLM's `GET /is_paused` fails while data-parallel engines disagree), publishes, and resumes
+with `POST /resume`. The update then lands after exactly that step on every host.
 
 The server needs `ART_TEST_HOOKS=1` and `VLLM_SERVER_DEV_MODE=1`, and nothing else may run on
 it meanwhile (another request's steps would count too).
@@ -32,9 +33,10 @@ async def update_after_steps(
     steps: int,
     update: dict,
     headers: dict[str, str] | None = None,
+    route: str = "/art/v1/lora/update",
 ) -> tuple[Any, dict, int]:
-    """Start `generation()`, publish `update` (a `/art/v1/lora/update` body) once the engine
-    has completed `steps` steps more, and let the generation finish.
+    """Start `generation()`, publish `update` (a body for `route`: a LoRA update by default)
+    once engine 0 has completed `steps` steps more, and let the generation finish.
 
     Returns (the generation's result, the update's response body, the step count `s0` before
     the generation was sent).
@@ -44,13 +46,13 @@ async def update_after_steps(
     assert armed.status_code == 200, armed.text
     task = asyncio.create_task(generation())
     try:
-        while not (await client.get("/is_paused", headers=headers)).json()["is_paused"]:
+        while not (await engine_state(client, headers))["paused"]:
             if task.done():
                 await task  # its own error, if any
                 pytest.fail(f"the generation ended before engine step {s0 + steps}")
             await asyncio.sleep(0.01)
         try:
-            upd = await client.post("/art/v1/lora/update", json=update, headers=headers)
+            upd = await client.post(route, json=update, headers=headers)
         finally:
             resumed = await client.post("/resume", headers=headers)
         assert resumed.status_code == 200, resumed.text

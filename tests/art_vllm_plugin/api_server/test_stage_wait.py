@@ -31,7 +31,9 @@ def test_markers_are_read_off_the_event_loop(tmp_path, monkeypatch):
     async def wait() -> int:
         loop_thread = threading.get_ident()
         task = asyncio.create_task(
-            slot_publish._wait_staged(None, tmp_path, engines, [[0], [0, 1]], None, "keeps", "t")
+            slot_publish.wait_staged(
+                None, tmp_path, engines, [[0], [0, 1]], "the adapter", "keeps", "t"
+            )
         )
         await asyncio.sleep(0.05)  # a few polls with nothing ready
         for engine, ranks in ((0, [0]), (1, [0, 1])):

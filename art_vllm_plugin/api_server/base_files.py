@@ -1,0 +1,108 @@
+"""A full-weight update's files: copied to a stage, then checked there before any engine sees
+them.
+
+Why copy first and check the copy: the workers read the stage, not the trainer's directory,
+which the trainer may overwrite with its next export at any time. Checking the copy checks
+exactly the bytes every worker will load, and the digest in the response is theirs.
+
+The checks, all before anything changes (a refusal names every problem, 422):
+- layout: every tensor of the served checkpoint is there with its dtype and shape, and no
+  other (`art_protocol.checkpoint_layout`: the served model's own safetensors headers, in the
+  same Hugging Face names the trainer streams);
+- values: every floating-point tensor is finite (a NaN in the weights would turn every token
+  to garbage, with nothing in the response to say why);
+- digest: of the copy (`art_protocol.weights_digest`), against the request's when it has one.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from art_protocol.checkpoint_layout import (
+    INDEX_FILE,
+    LayoutError,
+    checkpoint_files,
+    layout_problems,
+    read_layout,
+)
+from art_protocol.weights_digest import digest_checkpoint
+from art_vllm_plugin import staging
+
+#: Most problems one refusal lists (the rest are counted).
+MAX_PROBLEMS = 20
+
+
+class WeightsRefused(ValueError):
+    """The update's files do not fit the served model; the message names every problem."""
+
+    def __init__(self, source: str, problems: list[str]):
+        shown = problems[:MAX_PROBLEMS]
+        more = len(problems) - len(shown)
+        text = "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
+        super().__init__(f"{source} does not fit the served model: {text}")
+        self.problems = problems
+
+
+def write_stage(config: staging.StagingConfig, source: Path, version: int, engines) -> Path:
+    """A fresh stage holding a copy of the checkpoint at `source` and one marker directory per
+    engine (`staging.marker_dir`). `WeightsRefused` when `source` is no safetensors checkpoint;
+    `staging.StagingRefused` (507 out of space, else 500) when the copy cannot be written;
+    nothing is left behind on failure."""
+    what = f"the full weights at {source}"
+    try:
+        files = checkpoint_files(source)
+        if (source / INDEX_FILE).is_file():
+            files.append(source / INDEX_FILE)
+        size = sum(f.stat().st_size for f in files)
+    except (LayoutError, OSError) as exc:
+        raise WeightsRefused(what, [str(exc)]) from exc
+    config.check_space(size, what)
+    stage_dir = None
+    try:
+        stage_dir = staging.new_stage_dir(config, "base", version)
+        for f in files:
+            shutil.copyfile(f, stage_dir / f.name)
+        for e in engines:
+            staging.marker_dir(stage_dir, e.dp_rank)
+    except OSError as exc:
+        if stage_dir is not None:
+            staging.remove(stage_dir)
+        raise config.refusal_for(exc, what) from exc
+    except BaseException:
+        if stage_dir is not None:
+            staging.remove(stage_dir)
+        raise
+    return stage_dir
+
+
+def non_finite(checkpoint_dir: Path) -> list[str]:
+    """The floating-point tensors holding a NaN or an infinity, one sentence each."""
+    import torch
+    from safetensors import safe_open
+
+    bad = []
+    for path in checkpoint_files(checkpoint_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    bad.append(f"{name}: holds NaN or infinite values")
+    return bad
+
+
+def check_stage(stage_dir: Path, served_dir: Path, source: str) -> str:
+    """The digest of the staged weights once they fit the served model, else `WeightsRefused`
+    naming every problem (`source`: how the refusal names the update)."""
+    try:
+        problems = layout_problems(read_layout(served_dir), read_layout(stage_dir))
+    except LayoutError as exc:
+        raise WeightsRefused(source, [str(exc)]) from exc
+    if problems:
+        raise WeightsRefused(source, problems)
+    if problems := non_finite(stage_dir):
+        raise WeightsRefused(source, problems)
+    try:
+        return digest_checkpoint(stage_dir).hexdigest()
+    except LayoutError as exc:
+        raise WeightsRefused(source, [str(exc)]) from exc

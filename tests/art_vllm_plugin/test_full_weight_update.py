@@ -1,0 +1,376 @@
+"""Full-weight updates (`POST /art/v1/weights/update`) on two data-parallel engines (issue 26).
+
+The server: the tiny model in float32, `--data-parallel-size 2` (two engines, two API
+servers), one LoRA slot, the test hooks. The new weights are the tiny model's with noise
+added, written by the test as a trainer's export would be (a safetensors directory in the
+served model's names). What the weights compute is checked against Hugging Face transformers
+on the same checkpoint, in float32 (greedy tokens of a short completion, deterministic on this
+host), so a partial or wrong write shows as other tokens.
+
+Checked:
+- an update in the middle of a generation: the tokens before it are the old weights' greedy
+  tokens, the spans switch from base version 0 to 1 at the update's step, both engines commit
+  (a receipt each) and label the new version, and requests on either engine then give the new
+  weights' greedy tokens; the LoRA slot keeps serving, its spans carry the base version;
+- no prefix-cache hit across base versions (vLLM's own `cached_tokens`);
+- a commit that fails on engine 1 after engine 0 committed leaves both engines on the old
+  weights (engine 0 reads them again), answered 500;
+- bad updates (a missing tensor, another shape, a NaN, a wrong digest, a stale version, a
+  failed compare-and-swap, a path outside the roots, a `slot` field) are refused naming the
+  problem, and nothing changes; an `operation_id` replays;
+- an update whose restore is reported failed blocks every request (503) until a clean update.
+
+The module starts its own server: a full-weight update changes the base weights that every
+shared server's greedy references are computed on, so no shared server may take one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from support.adapters import copy_adapter
+from support.step_hold import update_after_steps
+
+from art_protocol.spans import validate_spans
+from art_protocol.weights_digest import digest_checkpoint
+from art_vllm_plugin import serve_process
+
+pytestmark = pytest.mark.serve
+
+PROMPT = "the policy model learns from the reward and the trainer sends its weights"
+ROUTE = "/art/v1/weights/update"
+SHORT = 12
+LONG = 48
+STEPS_BEFORE_UPDATE = 8
+
+
+class Server:
+    def __init__(self, proc, root: Path, model: Path):
+        self.proc, self.root, self.model = proc, root, model
+        self.next_version = 1
+
+    @property
+    def url(self) -> str:
+        return self.proc.url
+
+    def version(self) -> int:
+        v = self.next_version
+        self.next_version += 1
+        return v
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tiny_adapters, tmp_path_factory, server_log):
+    """A server of its own (see the module docstring: base weights change here)."""
+    root = tmp_path_factory.mktemp("full_weights")
+    policy = copy_adapter(tiny_adapters / "a", root / "start" / "policy")
+    cpus = sorted(os.sched_getaffinity(0))
+    config = serve_process.ServeConfig(
+        model=str(tiny_model),
+        args=(
+            *serve_process.tiny_lora_args(max_loras=2),
+            *("--dtype", "float32", "--data-parallel-size", "2"),
+            "--enable-prompt-tokens-details",
+            *("--lora-modules", f"policy={policy}"),
+            *("--art-adapter-root", str(root)),
+            *serve_process.ALLOW_UNAUTHENTICATED,
+        ),
+        env={
+            "ART_TEST_HOOKS": "1",
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1 % len(cpus)]}",
+        },
+        log_path=server_log,
+        startup_timeout_s=900.0,
+    )
+    proc = serve_process.start(config)
+    try:
+        yield Server(proc, root, tiny_model)
+    finally:
+        proc.stop()
+
+
+def export(server: Server, name: str, edit=None, noise: float = 0.0, seed: int = 0) -> Path:
+    """A trainer's export: the served checkpoint's tensors (with `noise` added, then `edit`
+    applied to the dict), in a model directory under the server's adapter root."""
+    out = server.root / "trainer" / name
+    shutil.copytree(server.model, out)
+    tensors = load_file(str(server.model / "model.safetensors"))
+    if noise:
+        g = torch.Generator().manual_seed(seed)
+        tensors = {
+            k: (v.float() + noise * torch.randn(v.shape, generator=g)).to(v.dtype)
+            for k, v in tensors.items()
+        }
+    if edit is not None:
+        edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def new_weights(server) -> Path:
+    return export(server, "new", noise=0.05)
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], n: int) -> list[int]:
+    """Greedy tokens of Hugging Face transformers in float32 on `model_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    ids = torch.tensor([prompt_ids])
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(ids).logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+def complete(server, engine: int, model: str | None = None, max_tokens: int = SHORT, **kw) -> dict:
+    body = {
+        "model": model or str(server.model),
+        "prompt": kw.pop("prompt", PROMPT),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **kw,
+    }
+    resp = httpx.post(
+        server.url + "/v1/completions",
+        json=body,
+        headers={"X-data-parallel-rank": str(engine)},
+        timeout=300,
+    )
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def tokens(server, engine: int, **kw) -> list[int]:
+    return complete(server, engine, **kw)["choices"][0]["token_ids"]
+
+
+def prompt_ids(server) -> list[int]:
+    return complete(server, 0, max_tokens=1)["choices"][0]["prompt_token_ids"]
+
+
+def update(server, path: Path, version: int, **kw) -> httpx.Response:
+    body = {"path": str(path), "version": version, **kw}
+    return httpx.post(server.url + ROUTE, json=body, timeout=600)
+
+
+def engine(server, rank: int) -> dict:
+    resp = httpx.get(f"{server.url}/art/v1/engine", params={"engine": rank}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def base_versions(server) -> list[int]:
+    return [engine(server, rank)["base_version"] for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def refs(server, new_weights) -> dict[str, list[int]]:
+    ids = prompt_ids(server)
+    return {
+        "old": hf_greedy(server.model, ids, LONG),
+        "new": hf_greedy(new_weights, ids, SHORT),
+    }
+
+
+def test_an_update_mid_generation_switches_the_base_version_on_both_engines(
+    server, new_weights, refs
+):
+    assert base_versions(server) == [0, 0]
+    for rank in (0, 1):  # the served weights are the checkpoint's, on both engines
+        assert tokens(server, rank) == refs["old"][:SHORT]
+    body = {
+        "model": str(server.model),
+        "prompt": PROMPT,
+        "max_tokens": LONG,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    version = server.version()
+
+    async def run():
+        pin = {"X-data-parallel-rank": "0"}
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+            return await update_after_steps(
+                client,
+                lambda: client.post("/v1/completions", json=body, headers=pin),
+                STEPS_BEFORE_UPDATE,
+                {"path": str(new_weights), "version": version},
+                route=ROUTE,
+            )
+
+    resp, upd, s0 = asyncio.run(run())
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    got = choice["token_ids"]
+    spans = validate_spans(choice, LONG, latest_version=0, latest_base_version=version)
+    assert [(s["slot"], s["version"], s.get("base_version", 0)) for s in spans] == [
+        (None, 0, 0),
+        (None, 0, version),
+    ]
+    k = spans[0]["end"]
+    assert STEPS_BEFORE_UPDATE <= k < LONG, "the update must land mid-generation"
+    assert k == upd["step"] - s0  # token i of a request admitted at step s0: step s0 + i
+    assert got[:k] == refs["old"][:k]
+    assert got[k:] != refs["old"][k:], "the new weights must change the next tokens"
+    # both engines committed, with a receipt each, and label the new version
+    assert upd["version"] == version and upd["previous_version"] == 0
+    assert upd["digest"] == digest_checkpoint(new_weights).hexdigest()
+    assert sorted(r["engine"] for r in upd["receipts"]) == [0, 1]
+    assert base_versions(server) == [version, version]
+    for rank in (0, 1):
+        assert engine(server, rank)["label"].endswith(f"|b={version}")
+        # a request on either engine computes with exactly the new weights
+        out = complete(server, rank)["choices"][0]
+        assert out["token_ids"] == refs["new"]
+        assert validate_spans(out, SHORT, latest_version=0, latest_base_version=version)[0][
+            "base_version"
+        ] == (version)
+    # the LoRA slot keeps serving, on the new base weights
+    lora = complete(server, 1, model="policy")["choices"][0]
+    assert [(s["slot"], s["base_version"]) for s in lora["policy_spans"]] == [("policy", version)]
+    assert httpx.get(server.url + "/art/metrics", timeout=60).json()["base_version"] == version
+    weights = httpx.get(server.url + "/art/v1/weights", timeout=60).json()
+    assert weights["version"] == version and weights["digest"] == upd["digest"]
+
+
+def test_no_prefix_cache_hit_across_base_versions(server):
+    long_prompt = " ".join(["the trainer sends new weights to every engine"] * 12)
+
+    def cached(rank: int = 0) -> int:
+        out = complete(server, rank, prompt=long_prompt, max_tokens=1)
+        return (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+    cached()
+    assert cached() > 0, "the same prompt on the same weights reuses its KV"
+    v = server.version()
+    resp = update(server, export(server, f"v{v}", noise=0.05, seed=v), v)
+    assert resp.status_code == 200, resp.text
+    assert cached() == 0, "KV computed by older base weights must not be reused"
+    assert cached() > 0
+
+
+def test_a_commit_failing_on_one_engine_leaves_both_on_the_old_weights(server):
+    before = base_versions(server)
+    old = [tokens(server, rank) for rank in (0, 1)]
+    armed = httpx.post(
+        server.url + "/art/v1/test/fault",
+        json={"kind": "commit", "rank": 0, "engine": 1},
+        timeout=60,
+    )
+    assert armed.status_code == 200, armed.text
+    v = server.version()
+    resp = update(server, export(server, f"v{v}", noise=0.05, seed=v), v)
+    assert resp.status_code == 500, resp.text
+    assert "engines [0] reverted" in resp.json()["error"]["message"]
+    assert base_versions(server) == before
+    assert [tokens(server, rank) for rank in (0, 1)] == old
+
+
+def _drop(name: str):
+    return lambda t: t.pop(name)
+
+
+def _reshape(name: str):
+    return lambda t: t.__setitem__(name, t[name][:-1])
+
+
+def _nan(name: str):
+    def edit(t):
+        t[name] = t[name].clone()
+        t[name].view(-1)[3] = float("nan")
+
+    return edit
+
+
+EMBED = "model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (_drop(EMBED), f"{EMBED}: missing from the update"),
+        (_reshape(EMBED), f"{EMBED}: shape"),
+        (_nan("model.norm.weight"), "model.norm.weight: holds NaN or infinite values"),
+        (lambda t: t.__setitem__("extra.weight", torch.zeros(2)), "extra.weight: the served"),
+    ],
+)
+def test_bad_weights_are_refused_naming_the_tensor(server, edit, says):
+    before, old = base_versions(server), tokens(server, 0)
+    v = server.next_version
+    resp = update(server, export(server, f"bad-{uuid.uuid4().hex[:8]}", edit), v)
+    assert resp.status_code == 422, resp.text
+    message = resp.json()["error"]["message"]
+    assert says in message and f"keep serving version {before[0]}" in message
+    assert base_versions(server) == before and tokens(server, 0) == old
+
+
+def test_refusals_of_the_request_and_replay(server, tmp_path):
+    current = base_versions(server)[0]
+    good = export(server, "replayed", noise=0.05, seed=99)
+    cases = [
+        ({"version": current}, 409, "not newer"),
+        ({"version": current + 1, "expected_version": current + 5}, 409, "expected_version"),
+        ({"version": current + 1, "digest": "xxh3-128:" + "0" * 32}, 422, "digest mismatch"),
+    ]
+    for extra, status, says in cases:
+        resp = update(server, good, **extra)
+        assert resp.status_code == status, resp.text
+        assert says in resp.json()["error"]["message"]
+    outside = tmp_path / "outside"
+    shutil.copytree(good, outside)
+    assert update(server, outside, current + 1).status_code == 403
+    slot = httpx.post(
+        server.url + ROUTE,
+        json={"slot": "policy", "path": str(good), "version": current + 1},
+        timeout=60,
+    )
+    assert slot.status_code == 400 and "'slot' must not be given" in slot.text
+    assert base_versions(server) == [current, current]
+    # an operation id replays its first response; reused with another body it is refused
+    v = server.version()
+    first = update(server, good, v, operation_id="op-1")
+    assert first.status_code == 200, first.text
+    again = update(server, good, v, operation_id="op-1")
+    assert again.status_code == 200 and again.json()["replayed"] is True
+    assert again.json()["receipts"] == first.json()["receipts"]
+    other = update(server, good, v + 1, operation_id="op-1")
+    assert other.status_code == 409, other.text
+    assert base_versions(server) == [v, v]
+
+
+def test_an_unknown_state_blocks_every_request_until_a_clean_update(server, new_weights, refs):
+    armed = httpx.post(
+        server.url + "/art/v1/test/fault", json={"kind": "unknown", "rank": 0}, timeout=60
+    )
+    assert armed.status_code == 200, armed.text
+    v = server.version()
+    resp = update(server, export(server, f"v{v}", noise=0.05, seed=v), v)
+    assert resp.status_code == 503, resp.text
+    assert "every request is refused" in resp.json()["error"]["message"]
+    refused = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": str(server.model), "prompt": PROMPT, "max_tokens": 2},
+        timeout=60,
+    )
+    assert refused.status_code >= 500, refused.text
+    v = server.version()
+    clean = update(server, new_weights, v)
+    assert clean.status_code == 200, clean.text
+    assert tokens(server, 0) == refs["new"] and tokens(server, 1) == refs["new"]
