@@ -11,8 +11,9 @@ Memory: one layer at a time. The TP shards of a layer's tensors are all-gathered
 `sink(name, tensor)` and dropped before the next layer, so the peak beyond the model is one
 layer's full tensors, not the model's. Every TP rank takes part in the gathers (they are
 collectives); by default only TP rank 0 calls the sink. The receipt carries the digest of
-exactly what was handed to the sink, in order (`art_protocol.weights_digest`), which the
-server computes over what it received.
+exactly what was handed to the sink (`art_protocol.weights_digest`, over the set of named
+tensors), which the server computes over the files it received
+(`hf_checkpoint.write_hf_checkpoint` writes them).
 
 MoE (the Qwen3-MoE GPT of `lora.hf_moe_weights.build_moe_gpt`, inverse of
 `megatron_moe_state_from_hf`): a layer with a router streams `mlp.gate.weight` (the router),
@@ -43,7 +44,7 @@ from art_protocol.weights_digest import WeightsDigest
 
 @dataclass(frozen=True)
 class StreamReceipt:
-    """What one stream sent: tensors, bytes, layers and the digest of them in order."""
+    """What one stream sent: tensors, bytes, layers and their digest."""
 
     tensors: int
     bytes: int

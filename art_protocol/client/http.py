@@ -10,6 +10,8 @@ import httpx
 from art_protocol.push import AdapterBytes, multipart_files
 from art_protocol.updates import ROUTE as UPDATE_ROUTE
 from art_protocol.updates import UpdateRequest
+from art_protocol.weight_updates import ROUTE as WEIGHTS_ROUTE
+from art_protocol.weight_updates import body_of, weights_update
 
 
 class ArtError(RuntimeError):
@@ -79,6 +81,26 @@ class ArtClient:
         request = UpdateRequest(slot, None, version, operation_id, expected_version, digest)
         adapter = local_dir if isinstance(local_dir, AdapterBytes) else AdapterBytes.read(local_dir)
         return self._json(self._http.post(UPDATE_ROUTE, files=multipart_files(request, adapter)))
+
+    def update_weights(
+        self,
+        path: str,
+        version: int,
+        *,
+        operation_id: str | None = None,
+        expected_version: int | None = None,
+        digest: str | None = None,
+    ) -> dict:
+        """Publish new full (base) weights: `path` is a directory of safetensors in the served
+        model's names, readable by the server (`art_megatron_ext.weights.write_hf_checkpoint`
+        writes one); `version` the new base version. Answers and refusals as for `update`
+        (`slot` in the response is `BASE_SLOT`); `digest` is `art_protocol.weights_digest`'s."""
+        request = weights_update(str(path), version, operation_id, expected_version, digest)
+        return self._json(self._http.post(WEIGHTS_ROUTE, json=body_of(request)))
+
+    def weights(self) -> dict:
+        """The base weights the server serves: {version, digest, updates, blocked, ...}."""
+        return self._json(self._http.get("/art/v1/weights"))
 
     def slots(self) -> list[dict]:
         return self._json(self._http.get("/art/v1/slots"))

@@ -133,3 +133,47 @@ def _pipeline_worker(rank: int, world: int) -> str:
         except NotImplementedError as exc:
             return str(exc)
     return "no refusal"
+
+
+def _export_worker(rank: int, world: int, hf_dir: str, out: str) -> dict:
+    from support.megatron_cpu import cpu_shim, megatron_parallel
+
+    from art_megatron_ext.lora.hf_weights import load_hf_weights
+    from art_megatron_ext.lora.tiny_gpt import GptShape, build_gpt
+    from art_megatron_ext.weights import write_hf_checkpoint
+
+    shape = GptShape(**TINY)
+    with cpu_shim(), megatron_parallel(tp=world):
+        torch.manual_seed(0)
+        model = build_gpt(shape, tensor_parallel=world)
+        load_hf_weights(model, hf_dir, shape)
+        receipt = write_hf_checkpoint(model, shape, out)
+        try:  # every version gets its own directory
+            write_hf_checkpoint(model, shape, out)
+            again = None
+        except FileExistsError as exc:
+            again = str(exc)
+    return {"digest": receipt.digest, "again": again}
+
+
+def test_an_export_is_a_sharded_checkpoint_with_the_streams_digest(hf_checkpoint, tmp_path):
+    """TP=2: rank 0 writes a layer a shard; the directory has the served checkpoint's layout
+    and tensors, and its digest is the stream's (what the server checks)."""
+    from safetensors.torch import load_file
+
+    from art_protocol.checkpoint_layout import checkpoint_files, layout_problems, read_layout
+
+    out = tmp_path / "v1"
+    results = run_ranks(_export_worker, world_size=2, args=(str(hf_checkpoint), str(out)))
+    assert results[0]["digest"] == results[1]["digest"]
+    assert "exists" in results[0]["again"] and results[1]["again"] is None  # rank 0 writes
+    assert layout_problems(read_layout(hf_checkpoint), read_layout(out)) == []
+    assert len(checkpoint_files(out)) == TINY["num_hidden_layers"] + 2  # embedding, norm+head
+    assert digest_checkpoint(out).hexdigest() == results[0]["digest"]
+    want = load_file(str(hf_checkpoint / "model.safetensors"))
+    got = {}
+    for shard in checkpoint_files(out):
+        got.update(load_file(str(shard)))
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert [p.name for p in tmp_path.iterdir()] == ["v1"]  # no temporary directory left
