@@ -52,3 +52,16 @@ def test_a_commit_left_by_a_dead_api_server_expires():
     assert slot_updates.open_commits(core, 1) == []
     assert not state.committed
     assert sent == [("art_run_rides", ([("final", "t-dead", ())],))]
+
+
+def test_a_base_commit_and_a_slot_commit_hold_each_other_back():
+    """A base update's revert and a slot update's each put back the label they replaced: they
+    must not interleave (`engine_core/base_updates.py`)."""
+    core, _ = stand_in_engine(has_requests=False)
+    state = engine_state(core).updates
+    state.committed["t-base"] = committed(slot_updates.BASE_ID)
+    assert slot_updates.open_commits(core, 1) == [slot_updates.BASE_ID]
+    assert "the base weights" in slot_updates.busy([slot_updates.BASE_ID])["error"]
+    del state.committed["t-base"]
+    state.committed["t-slot"] = committed(1)
+    assert slot_updates.open_commits(core, slot_updates.BASE_ID) == [1]

@@ -168,3 +168,31 @@ def test_a_blocked_slot_is_reported_and_unblocked_only_by_a_clean_update():
     r.commit("policy", 1, "/v1", D1)
     r.finish("t2", "policy", ok=True)
     assert not r.blocked and r.snapshot()["slots"]["policy"]["blocked"] is None
+
+
+def test_the_base_weights_are_admitted_replayed_and_blocked_by_the_slot_rules():
+    """Full-weight updates go through the registry under `BASE` (issue 26): the same
+    compare-and-swap, staleness, replay and blocking, never listed as a slot."""
+    base = slot_registry.BASE
+    r = registry()
+    assert r.reserve("t0", base, 1, 3, None, None)["kind"] == "conflict"  # CAS on version 0
+    assert r.reserve("t1", base, 1, 0, "op", "body")["ok"]
+    assert r.reserve("t2", base, 2, None, None, None)["kind"] == "busy"
+    assert r.reserve("t3", "policy", 1, None, None, None)["ok"]  # slots are independent
+    previous = r.commit(base, 1, "/stage-1", D1)
+    r.finish("t1", base, ok=True, operation_id="op", fingerprint="body", response={"v": 1})
+    assert r.reserve("t4", base, 1, None, None, None)["kind"] == "stale"
+    replay = r.reserve("t5", base, 1, None, "op", "body")
+    assert replay["kind"] == "replay" and replay["response"] == {"v": 1}
+    assert "the base weights" in r.reserve("t6", base, 2, None, "op", "other")["error"]
+    snap = r.snapshot()
+    assert base not in snap["slots"]
+    assert (snap["base"]["version"], snap["base"]["digest"], snap["base"]["updates"]) == (1, D1, 1)
+    r.revert(previous)
+    assert r.snapshot()["base"]["version"] == 0 and r.base.path == ""
+    r.block(base, "unknown")
+    assert r.snapshot()["base"]["blocked"] == "unknown" and r.blocked_lora_ids() == {}
+    assert r.reserve("t7", base, 2, None, None, None)["ok"]
+    r.commit(base, 2, "/stage-2", D0)
+    r.finish("t7", base, ok=True)
+    assert base not in r.blocked  # a clean update unblocks
