@@ -47,7 +47,12 @@ def run(worker, rides: list[tuple]) -> list[dict | None]:
     results: list[dict | None] = []
     for kind, token, args in rides:
         if kind == STAGE:
-            _start_staging(worker, token, *args)
+            lora_int_id, lora_name, stage_dir, marker_dir = args
+            start = functools.partial(
+                lora_slot_writer.art_stage_lora_update,
+                *(worker, token, lora_int_id, lora_name, stage_dir, marker_dir),
+            )
+            _start_staging(worker, marker_dir or stage_dir, start)
             results.append(None)
         elif kind == COMMIT:
             commit = functools.partial(lora_slot_writer.commit_locked, label=args[0])
@@ -55,7 +60,9 @@ def run(worker, rides: list[tuple]) -> list[dict | None]:
                 _commit_everywhere(worker, token, commit, lora_slot_writer.rollback_locked)
             )
         elif kind == BASE_STAGE:
-            _start_base_staging(worker, token, *args)
+            stage_dir, marker_dir = args
+            start = functools.partial(base_weights.stage, worker, token, stage_dir, marker_dir)
+            _start_staging(worker, marker_dir, start)
             results.append(None)
         elif kind == BASE_COMMIT:
             commit = functools.partial(
@@ -75,22 +82,12 @@ def run(worker, rides: list[tuple]) -> list[dict | None]:
     return results
 
 
-def _start_staging(worker, token, lora_int_id, lora_name, stage_dir, marker_dir=None) -> None:
-    """Never raises: a ride that raised would take the step, and so the engine, down. The
-    failure goes where the API server looks for the outcome, the worker's marker."""
+def _start_staging(worker, marker_dir: str, start) -> None:
+    """`start()` the staging thread's work. Never raises: a ride that raised would take the
+    step, and so the engine, down. The failure goes where the API server looks for the
+    outcome, the worker's marker in `marker_dir`."""
     try:
-        lora_slot_writer.art_stage_lora_update(
-            worker, token, lora_int_id, lora_name, stage_dir, marker_dir
-        )
-    except Exception as exc:
-        rank = compat.worker_rank(worker)
-        staging.mark(marker_dir or stage_dir, rank, False, f"engine\n{type(exc).__name__}: {exc}")
-
-
-def _start_base_staging(worker, token, stage_dir, marker_dir) -> None:
-    """As `_start_staging`, for a full-weight update."""
-    try:
-        base_weights.stage(worker, token, stage_dir, marker_dir)
+        start()
     except Exception as exc:
         rank = compat.worker_rank(worker)
         staging.mark(marker_dir, rank, False, f"engine\n{type(exc).__name__}: {exc}")
