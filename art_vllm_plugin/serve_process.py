@@ -158,8 +158,28 @@ def build_command(config: ServeConfig, port: int) -> list[str]:
     return cmd
 
 
+#: Starts tried when the port picked for a server was taken before vLLM bound it.
+PORT_ATTEMPTS = 3
+
+
 def start(config: ServeConfig) -> ServerProcess:
-    """Start the server and wait until `/health` answers; stops it again if start-up fails."""
+    """Start the server and wait until `/health` answers; stops it again if start-up fails.
+
+    The port is picked free here and bound by vLLM a few seconds later; another process (a
+    second server, a trainer's rendezvous) can take it in between. A start that fails with
+    "Address already in use" is tried again on a new port (at most `PORT_ATTEMPTS` starts);
+    any other failure is raised at once."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _start_once(config)
+        except ServerStartError as exc:
+            if "Address already in use" not in str(exc) or attempt == PORT_ATTEMPTS:
+                raise
+            print(f"[serve] port taken before vLLM bound it; starting again ({exc.args[0][:80]})")
+    raise AssertionError("unreachable")
+
+
+def _start_once(config: ServeConfig) -> ServerProcess:
     port = free_port()
     log_path = config.log_path or Path(f".cache/logs/vllm-serve-{port}.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ def _state(**slot_versions: int) -> ApiServerState:
         serving_models=SimpleNamespace(lora_requests={}),
         slots=view,
         updates=None,
+        base_updates=None,
         api_key_digests=[],
     )
 
