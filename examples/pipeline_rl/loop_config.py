@@ -45,8 +45,19 @@ class LoopConfig:
     max_rollout_workers: int = 4  # the autotuner's absolute worker cap
     autotune_on_bad_metrics: str = "hold"  # or "raise" (strict); see autotune_hook.py
     fresh_ratio_tolerance: float = 1e-3  # |ratio - 1| allowed on age-0 tokens (parity check)
+    #: "lora": train and publish the LoRA slot; "full": train every weight and publish them as
+    #: full-weight updates (`/art/v1/weights/update`), rollouts on the base model
+    update: str = "lora"
+    full_lr: float = 2e-3  # Adam's learning rate when every weight trains (`update="full"`)
 
     def __post_init__(self) -> None:
+        if self.update not in ("lora", "full"):
+            raise ValueError(f"update must be 'lora' or 'full', got {self.update!r}")
+        if self.update == "full" and self.push:
+            raise ValueError(
+                "--push sends a LoRA adapter's files; full-weight updates go by path "
+                "(RUN_DIR/weights/v<N>, under the server's --art-adapter-root)"
+            )
         if self.attention not in ("tree", "dense"):
             raise ValueError(f"attention must be 'tree' or 'dense', got {self.attention!r}")
         if self.steps < 1 or self.group_size < 2 or self.dp < 1:
@@ -70,6 +81,19 @@ class LoopConfig:
     @property
     def path(self) -> Path:
         return Path(self.run_dir)
+
+    @property
+    def full(self) -> bool:
+        return self.update == "full"
+
+    @property
+    def model_name(self) -> str:
+        """What rollouts ask the server for: the slot, or the base model itself (full)."""
+        return self.hf_model if self.full else self.slot
+
+    @property
+    def learning_rate(self) -> float:
+        return self.full_lr if self.full else self.lr
 
     def save(self) -> Path:
         out = self.path / "loop_config.json"

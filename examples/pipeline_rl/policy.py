@@ -37,7 +37,8 @@ class LogicalRope(torch.nn.Module):
 
 
 def build_policy(cfg: LoopConfig):
-    """Megatron GPT + HF base weights + LoRA slot `cfg.slot` loaded from `cfg.init_adapter`.
+    """Megatron GPT + HF base weights + LoRA slot `cfg.slot` loaded from `cfg.init_adapter`;
+    with `cfg.full`, no LoRA: every weight trains.
 
     `cfg.attention == "tree"`: core attention reads the packed prefix tree directly
     (`art_megatron_ext.packing.tree_layer_spec`, no [S, S] mask; RoPE at each token's
@@ -59,10 +60,11 @@ def build_policy(cfg: LoopConfig):
         spec = tree_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"))
     model = build_gpt(shape, max_sequence_length=cfg.seq_len, layer_spec=spec)
     load_hf_weights(model, cfg.hf_model, shape)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    attach_lora(model, LoraConfig(rank=8, alpha=8.0, init_seed=cfg.seed, slot=cfg.slot))
-    import_peft(model, cfg.slot, cfg.init_adapter)
+    if not cfg.full:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        attach_lora(model, LoraConfig(rank=8, alpha=8.0, init_seed=cfg.seed, slot=cfg.slot))
+        import_peft(model, cfg.slot, cfg.init_adapter)
     if cfg.attention == "tree":
         from art_megatron_ext.packing import enable_tree_attention
 
@@ -73,10 +75,10 @@ def build_policy(cfg: LoopConfig):
 
 
 def data_parallel(model, cfg: LoopConfig):
-    """(DDP wrapper, optimizer factory for `ResidentOptimizerStore.acquire`). Only the LoRA
-    parameters require grad, so only they are in DDP's buffers and the optimizer; buckets of
-    `cfg.bucket_size` elements (small: LoRA spans several bucket groups, as a large model's
-    would)."""
+    """(DDP wrapper, optimizer factory for `ResidentOptimizerStore.acquire`). Only the
+    parameters that require grad (LoRA's, or every one with `cfg.full`) are in DDP's buffers
+    and the optimizer; buckets of `cfg.bucket_size` elements (small: LoRA spans several bucket
+    groups, as a large model's would)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -94,7 +96,7 @@ def data_parallel(model, cfg: LoopConfig):
     )
     config = OptimizerConfig(
         optimizer="adam",
-        lr=cfg.lr,
+        lr=cfg.learning_rate,
         weight_decay=0.0,
         clip_grad=0.0,
         use_distributed_optimizer=True,

@@ -9,25 +9,46 @@ optimizer checkpoint is written while the server loads the version. With `--push
 version's files travel in the request (`ArtClient.update_from_dir`) instead of its path.
 `latest` is the newest version published or in flight: what the rollout workers validate span
 versions against.
+
+With `--update full` every rank takes part in the full-weight export instead: each finishes the
+deferred parameter all-gather (`start_param_sync(force_sync=True)`, as Megatron does before a
+checkpoint), rank 0 writes RUN_DIR/weights/v<N> a layer a shard (`write_hf_checkpoint`), and
+publishes it as the server's new base weights (`ArtClient.update_weights`, the digest of what
+it wrote included).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 from loop_config import LoopConfig
 
 
+@dataclasses.dataclass(frozen=True)
+class FullReady:
+    """A full-weight export on disk (`--update full`)."""
+
+    path: Path
+    version: int
+    digest: str
+
+
 class Publisher:
-    def __init__(self, url: str | None, cfg: LoopConfig):
-        """`url`: the server's, on rank 0; None on the other ranks (they only export)."""
+    def __init__(self, url: str | None, cfg: LoopConfig, shape=None):
+        """`url`: the server's, on rank 0; None on the other ranks (they only export).
+        `shape`: the model's `GptShape` (the full-weight export names tensors by it)."""
         from art_megatron_ext.lora.publish_ready import BackgroundPublisher, post_update
 
         self.cfg = cfg
+        self.shape = shape
         self._background = None
         if url is not None:
-            self._post = self._pusher(url) if cfg.push else post_update(url)
+            if cfg.full:
+                self._post = self._full_poster(url)
+            else:
+                self._post = self._pusher(url) if cfg.push else post_update(url)
             self._background = BackgroundPublisher(self._publish)
         self._pending = None
         self._t_trained = 0.0
@@ -47,8 +68,31 @@ class Publisher:
 
         return push
 
+    @staticmethod
+    def _full_poster(url: str):
+        from art_protocol.client import ArtClient
+
+        def post(ready: FullReady) -> dict:
+            with ArtClient(url, timeout=300) as art:
+                return art.update_weights(str(ready.path), ready.version, digest=ready.digest)
+
+        return post
+
+    def _export_full(self, ddp, version: int) -> FullReady:
+        """Collective: every rank finishes the parameter all-gather and streams; rank 0 writes."""
+        import torch
+
+        from art_megatron_ext.weights import write_hf_checkpoint
+
+        ddp.start_param_sync(force_sync=True)
+        out = self.cfg.path / "weights" / f"v{version}"
+        lead = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        receipt = write_hf_checkpoint(ddp.module, self.shape, out, send=lead)
+        return FullReady(out, version, receipt.digest)
+
     def _publish(self, ready) -> dict:
-        if self.cfg.publish_slot != ready.slot:  # the broken-loop test's wrong slot
+        if not isinstance(ready, FullReady) and self.cfg.publish_slot != ready.slot:
+            # the broken-loop test's wrong slot
             ready = dataclasses.replace(ready, slot=self.cfg.publish_slot)
         receipt = self._post(ready)
         self.published = ready.version
@@ -59,14 +103,17 @@ class Publisher:
         """Collective: export `version` (every rank), publish it in the background (rank 0)."""
         from art_megatron_ext.lora.publish_ready import export_ready
 
-        ready = export_ready(
-            model,
-            self.cfg.slot,
-            self.cfg.path / "adapters",
-            version=version,
-            step=version,
-            base_model_name_or_path=self.cfg.hf_model,
-        )
+        if self.cfg.full:
+            ready = self._export_full(model, version)
+        else:
+            ready = export_ready(
+                model,
+                self.cfg.slot,
+                self.cfg.path / "adapters",
+                version=version,
+                step=version,
+                base_model_name_or_path=self.cfg.hf_model,
+            )
         self.latest = version
         self._t_trained = t_trained
         if self._background is not None:

@@ -107,6 +107,7 @@ class RolloutWorkers:
     active: Callable[[], int]
     temperature: float = 1.0
     seed: int = 0
+    full: bool = False  # the versions are the base weights' (full-weight updates)
     error: BaseException | None = None
     requests: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -165,7 +166,13 @@ class RolloutWorkers:
         rollouts = []
         for choice in resp.json()["choices"]:
             ids = choice["token_ids"]
-            spans = validate_spans(choice, len(ids), latest_version=self.latest_version())
+            latest = self.latest_version()
+            spans = validate_spans(
+                choice,
+                len(ids),
+                latest_version=latest,
+                latest_base_version=latest if self.full else None,
+            )
             logprobs = choice["logprobs"]["token_logprobs"]
             if len(logprobs) != len(ids):
                 raise ValueError(f"{len(logprobs)} logprobs for {len(ids)} tokens")

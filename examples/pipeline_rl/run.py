@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -79,6 +80,34 @@ def parse_args(argv=None) -> tuple[LoopConfig, argparse.Namespace]:
     return cfg, args
 
 
+def float32_copy(model: Path, out: Path) -> Path:
+    """The tiny model with float32 weights (`--update full`): the server checks a full-weight
+    update's dtypes against the checkpoint it serves, and the trainer's float32 weights must
+    arrive as they are (fresh-token parity), so the served checkpoint is float32 too."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    tensors = load_file(str(model / "model.safetensors"))
+    save_file(
+        {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    return out
+
+
+def full_server_args(cfg: LoopConfig) -> list[str]:
+    """`--update full`: the base model alone (no LoRA), exports read from RUN_DIR/weights."""
+    return [
+        *("--dtype", cfg.server_dtype, "--max-model-len", "512"),
+        *("--gpu-memory-utilization", "0.2", "--max-num-seqs", "64"),
+        *serve_process.ALLOW_UNAUTHENTICATED,
+        *("--art-adapter-root", cfg.run_dir),
+        *("--logprobs-mode", "processed_logprobs"),
+    ]
+
+
 def server_config(cfg: LoopConfig) -> serve_process.ServeConfig:
     """The tiny model in float32 (the trainer computes in float32: equal dtypes are what makes
     fresh-token ratios 1 up to kernel rounding), slot `policy` (and `shadow`, the wrong slot a
@@ -103,6 +132,8 @@ def server_config(cfg: LoopConfig) -> serve_process.ServeConfig:
         "--logprobs-mode",
         "processed_logprobs",
     ]
+    if cfg.full:
+        args = full_server_args(cfg)
     return serve_process.ServeConfig(
         model=cfg.hf_model, args=tuple(args), log_path=cfg.path / "server.log"
     )
@@ -181,6 +212,9 @@ def run(cfg: LoopConfig, args) -> dict:
             raise SystemExit(f"--run-dir {cfg.path} is not empty and holds no earlier run: refused")
         shutil.rmtree(cfg.path)  # an earlier run of this loop: start afresh
     cfg.path.mkdir(parents=True, exist_ok=True)
+    if cfg.full:
+        served = float32_copy(Path(cfg.hf_model), cfg.path / "served_model")
+        cfg = dataclasses.replace(cfg, hf_model=str(served))
     config_path = cfg.save()
     timings, pids = {}, {}
     t0, t0_wall = time.monotonic(), time.time()
@@ -207,7 +241,8 @@ def run(cfg: LoopConfig, args) -> dict:
                 raise RuntimeError(f"trainer rank {failed[0][0]} failed (exit {failed[0][1]})")
             time.sleep(0.5)
         timings["trainer_after_server_s"] = time.monotonic() - t_loop
-        (cfg.path / "server_view.json").write_text(json.dumps(show(server.url, cfg.slot)))
+        view = show(server.url, cfg.model_name, full=cfg.full)
+        (cfg.path / "server_view.json").write_text(json.dumps(view))
     finally:
         stop_group(trainer)  # every rank: they share rank 0's process group
         for rank in ranks[1:]:  # reap them (a zombie still counts as a member of the group)

@@ -19,10 +19,17 @@ METRIC_FIELDS = (
 )
 
 
-def show(url: str, slot: str, prompt: str = "3 + 4 =", max_tokens: int = 8) -> dict:
-    """Print the slot's version and digest, a completion's `policy_spans` and the metrics."""
+def show(
+    url: str, slot: str, prompt: str = "3 + 4 =", max_tokens: int = 8, full: bool = False
+) -> dict:
+    """Print the slot's version and digest (with `full`, the base weights': `slot` is then the
+    served model's name), a completion's `policy_spans` and the metrics."""
     with httpx.Client(base_url=url, timeout=60) as http:
-        slots = {s["slot"]: s for s in http.get("/art/v1/slots").raise_for_status().json()}
+        if full:
+            base = http.get("/art/v1/weights").raise_for_status().json()
+            slots = {slot: {**base, "slot": slot, "alias": None}}
+        else:
+            slots = {s["slot"]: s for s in http.get("/art/v1/slots").raise_for_status().json()}
         choice = (
             http.post(
                 "/v1/completions",
@@ -36,7 +43,7 @@ def show(url: str, slot: str, prompt: str = "3 + 4 =", max_tokens: int = 8) -> d
     view = {
         "slot": {k: current.get(k) for k in ("slot", "version", "alias", "digest")},
         "policy_spans": choice["policy_spans"],
-        "metrics": {k: metrics.get(k) for k in METRIC_FIELDS},
+        "metrics": {k: metrics.get(k) for k in (*METRIC_FIELDS, "base_version")},
         "metrics_slot": metrics.get("slots", {}).get(slot),
     }
     print(

@@ -27,10 +27,12 @@ CRITICAL_ROLLOUT_SCALE = 300.0
 
 
 def token_ages(spans: Sequence[dict], num_tokens: int, current: int) -> np.ndarray:
-    """Age of every completion token (current version minus the version that computed it)."""
+    """Age of every completion token: the current version minus the version that computed it,
+    where a span's version counts its slot's updates and its base weights' (`base_version`,
+    full-weight updates): the loop publishes one kind, so one of the two stays 0."""
     ages = np.full(num_tokens, -1, dtype=np.int64)
     for span in spans:
-        ages[span["start"] : span["end"]] = current - span["version"]
+        ages[span["start"] : span["end"]] = current - span["version"] - span.get("base_version", 0)
     if (ages < 0).any():
         raise ValueError(
             f"spans {list(spans)} do not cover {num_tokens} tokens at or before version {current}"
@@ -79,11 +81,18 @@ def score(
     group_size: int,
     ref_groups: int,
     ref_group_size: int,
+    full: bool = False,
 ) -> dict:
-    """The seed's score and its three factors (see the module docstring)."""
+    """The seed's score and its three factors (see the module docstring). `full`: the
+    versions are the base weights' (`--update full`)."""
     spans = [dict(s) for spans, _ in spans_with_current for s in spans]
     current = max((c for _, c in spans_with_current), default=0)
-    fresh = freshness(spans, current, tau=FRESHNESS_TAU) if spans else 1.0
+    slot_current, base_current = (0, current) if full else (current, 0)
+    fresh = (
+        freshness(spans, slot_current, tau=FRESHNESS_TAU, current_base=base_current)
+        if spans
+        else 1.0
+    )
     tok_s = accepted_tokens / wall_s if wall_s > 0 else 0.0
     factor = batch_factor(groups, group_size, ref_groups, ref_group_size, CRITICAL_ROLLOUT_SCALE)
     return {

@@ -95,7 +95,8 @@ def train_step(ddp, optimizer, packed, temperature, cfg: LoopConfig):
 
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    with activate_slot(ddp.module, cfg.slot):
+    # `--update full`: no LoRA slot, every weight trains
+    with contextlib.nullcontext() if cfg.full else activate_slot(ddp.module, cfg.slot):
         lp = packed_logprobs(ddp, packed, cfg.attention, temperature)
         terms = loss_terms(lp, packed, cfg.clip_eps, cfg.tis_cap)
     terms.loss_sum.backward()
@@ -186,6 +187,7 @@ def step_record(step, version, groups, drops, parts, terms_global, publisher, t,
             cfg.group_size,
             cfg.groups_per_step,
             cfg.group_size,
+            full=cfg.full,
         ),
     }
 
@@ -225,7 +227,7 @@ def main(config_path: str) -> int:
                     )
                 url = wait_for_server(run_dir) if lead else None
                 t_server = time.monotonic()
-                publisher = Publisher(url, cfg)
+                publisher = Publisher(url, cfg, shape)
                 settings = {"workers": cfg.rollout_workers, "groups": cfg.groups_per_step}
                 if lead:
                     task = TargetTokenTask(
@@ -238,7 +240,7 @@ def main(config_path: str) -> int:
                         tuner = make_tuner(cfg, url)
                     workers = RolloutWorkers(
                         url=url,
-                        slot=cfg.slot,
+                        slot=cfg.model_name,
                         queue=queue,
                         make_prompt=task.prompt,
                         reward=task.reward,
@@ -251,6 +253,7 @@ def main(config_path: str) -> int:
                         active=lambda: settings["workers"],
                         temperature=cfg.temperature,
                         seed=cfg.seed,
+                        full=cfg.full,
                     )
                     eval_rng = np.random.default_rng([cfg.seed, 999])
                     eval_prompts = [task.prompt(eval_rng) for _ in range(4)]
@@ -288,7 +291,7 @@ def main(config_path: str) -> int:
                         version = step
                         if not lead:
                             continue
-                        if step == cfg.lease_eval_step:
+                        if step == cfg.lease_eval_step and not cfg.full:  # leases pin slots
                             lease = LeaseEvaluation(
                                 url, cfg.publish_slot, eval_prompts, cfg.completion_len
                             )

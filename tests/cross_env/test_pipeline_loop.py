@@ -65,6 +65,7 @@ RUN = REPO / "examples" / "pipeline_rl" / "run.py"
 STEPS = 40  # the learning run (`make demo`'s default)
 WRONG_STEPS = 12  # the wrong-slot run (flat reward; three autotune windows)
 WRONG_TEMPERATURE = 0.7
+FULL_STEPS = 20  # the full-weight run (reward near 0.03 until step 10, 0.74 at step 20)
 REWARD_RISE = 0.04
 FRESH_TOLERANCE = 1e-3
 
@@ -126,6 +127,23 @@ def wrong_slot(tmp_path_factory):
         "--publish-slot", "shadow", "--max-policy-age", "1000", "--autotune", "--push",
         "--dp", "1", "--temperature", str(WRONG_TEMPERATURE),
     )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc, out
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """`--update full`: every weight of the tiny model trains and each version is published as
+    a full-weight update (`/art/v1/weights/update`), rollouts on the base model; its server on
+    the V1 runner as `good` (the update route on the suite's runner is
+    tests/art_vllm_plugin/test_full_weight_update.py). 20 steps: full weights learn the task
+    faster than the LoRA slot (observed 0.03 -> 0.74 by step 20, 0.98 by step 30)."""
+    proc, out = run_loop(
+        tmp_path_factory.mktemp("loop_full") / "run",
+        FULL_STEPS,
+        *("--update", "full"),
+        env=v1_runner_env(),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc, out
 
@@ -228,3 +246,32 @@ def test_fresh_ratios_are_one_at_the_sampling_temperature(wrong_slot):
     fresh = first["ratio"]["fresh"]
     assert fresh["tokens"] == first["accepted_tokens"] > 0
     assert fresh["max_abs_dev"] <= FRESH_TOLERANCE, fresh
+
+
+def test_full_weight_updates_learn_with_base_versions_in_every_span(full):
+    """The loop trains all weights, publishes each version in flight as new base weights, and
+    learns; every token's span names the base version that computed it, fresh tokens have
+    ratios of 1 (the served float32 checkpoint is the trainer's weights), and the server ends
+    on the last version."""
+    proc, out = full
+    records = records_of(out)
+    assert len(records) == FULL_STEPS
+    assert reward_rose(records), [round(r["reward"], 3) for r in records]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["updates_published"] == FULL_STEPS and summary["dp"] == 2
+    for r in records:
+        assert r["span_tokens"] == r["completion_tokens"] > 0
+        assert r["accepted_tokens"] + r["untrained_stale_tokens"] == r["completion_tokens"]
+    assert records[0]["ratio"]["fresh"]["tokens"] == records[0]["accepted_tokens"] > 0
+    for r in records:
+        if r["ratio"]["fresh"]["tokens"]:
+            assert r["ratio"]["fresh"]["max_abs_dev"] <= FRESH_TOLERANCE, r["ratio"]["fresh"]
+    assert max(len(r["age_hist"]) for r in records) > 1, "rollouts must span several versions"
+    view = json.loads((out / "server_view.json").read_text())
+    assert view["slot"]["version"] == FULL_STEPS and view["metrics"]["base_version"] == FULL_STEPS
+    end = view["policy_spans"][-1]["end"]
+    assert view["policy_spans"] == [
+        {"start": 0, "end": end, "slot": None, "version": 0, "base_version": FULL_STEPS}
+    ]
+    assert_groups_gone(out)
+    assert "== Pipeline RL summary" in proc.stdout
