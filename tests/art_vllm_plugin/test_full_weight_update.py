@@ -1,11 +1,12 @@
 """Full-weight updates (`POST /art/v1/weights/update`) on two data-parallel engines (issue 26).
 
-The server: the tiny model in float32, `--data-parallel-size 2` (two engines, two API
-servers), one LoRA slot, the test hooks. The new weights are the tiny model's with noise
-added, written by the test as a trainer's export would be (a safetensors directory in the
-served model's names). What the weights compute is checked against Hugging Face transformers
-on the same checkpoint, in float32 (greedy tokens of a short completion, deterministic on this
-host), so a partial or wrong write shows as other tokens.
+The server: the shared `dp2` server (tests/support/server_kinds.py): the tiny model in
+float32, `--data-parallel-size 2` (two engines, two API servers), LoRA slots, the test hooks.
+The new weights are the tiny model's with noise added, written by the test as a trainer's
+export would be (a safetensors directory in the served model's names). What the weights
+compute is checked against Hugging Face transformers on the same checkpoint, in float32
+(greedy tokens of a short completion, deterministic on this host), so a partial or wrong
+write shows as other tokens.
 
 Checked:
 - an update in the middle of a generation: the tokens before it are the old weights' greedy
@@ -20,14 +21,14 @@ Checked:
   problem, and nothing changes; an `operation_id` replays;
 - an update whose restore is reported failed blocks every request (503) until a clean update.
 
-The module starts its own server: a full-weight update changes the base weights that every
-shared server's greedy references are computed on, so no shared server may take one.
+A full-weight update changes the base weights every later module's greedy references and
+spans would assume, so this module runs after every other module of that server
+(`changes_base_weights`, tests/support/server_pool.py), which stops after it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import uuid
 from pathlib import Path
@@ -36,14 +37,12 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.adapters import copy_adapter
 from support.step_hold import update_after_steps
 
 from art_protocol.spans import validate_spans
 from art_protocol.weights_digest import digest_checkpoint
-from art_vllm_plugin import serve_process
 
-pytestmark = pytest.mark.serve
+pytestmark = [pytest.mark.serve, pytest.mark.changes_base_weights]
 
 PROMPT = "the policy model learns from the reward and the trainer sends its weights"
 ROUTE = "/art/v1/weights/update"
@@ -53,13 +52,13 @@ STEPS_BEFORE_UPDATE = 8
 
 
 class Server:
-    def __init__(self, proc, root: Path, model: Path):
-        self.proc, self.root, self.model = proc, root, model
+    def __init__(self, shared, root: Path, model: Path):
+        self.shared, self.root, self.model = shared, root, model
         self.next_version = 1
 
     @property
     def url(self) -> str:
-        return self.proc.url
+        return self.shared.url
 
     def version(self) -> int:
         v = self.next_version
@@ -68,34 +67,11 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tiny_adapters, tmp_path_factory, server_log):
-    """A server of its own (see the module docstring: base weights change here)."""
-    root = tmp_path_factory.mktemp("full_weights")
-    policy = copy_adapter(tiny_adapters / "a", root / "start" / "policy")
-    cpus = sorted(os.sched_getaffinity(0))
-    config = serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(
-            *serve_process.tiny_lora_args(max_loras=2),
-            *("--dtype", "float32", "--data-parallel-size", "2"),
-            "--enable-prompt-tokens-details",
-            *("--lora-modules", f"policy={policy}"),
-            *("--art-adapter-root", str(root)),
-            *serve_process.ALLOW_UNAUTHENTICATED,
-        ),
-        env={
-            "ART_TEST_HOOKS": "1",
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1 % len(cpus)]}",
-        },
-        log_path=server_log,
-        startup_timeout_s=900.0,
-    )
-    proc = serve_process.start(config)
-    try:
-        yield Server(proc, root, tiny_model)
-    finally:
-        proc.stop()
+def server(dp2_server, tiny_model):
+    """The shared dp2 server (two engines, float32, a LoRA slot, the test hooks), as the last
+    module on it (`changes_base_weights`): the base weights it leaves are not the model's."""
+    root = dp2_server.scratch  # inside the server's adapter root
+    return Server(dp2_server, root, tiny_model)
 
 
 def export(server: Server, name: str, edit=None, noise: float = 0.0, seed: int = 0) -> Path:

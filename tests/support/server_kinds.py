@@ -179,6 +179,8 @@ def tp_config(p: KindPaths, tp: int, log_path: Path | None = None):
 
 
 # -- dp2: two data-parallel engines, two API servers -------------------------------------------
+# float32, prompt token details and dev mode for test_full_weight_update (the last module on
+# it: it changes the base weights), whose greedy tokens are compared with Hugging Face's.
 def _dp2_slots(p: KindPaths) -> dict[str, Path]:
     return _starts(p.start, p.tiny_adapters, {"policy": "a", "ref_b": "b"})
 
@@ -190,13 +192,18 @@ def _dp2(p: KindPaths):
         p.tiny_model,
         (
             *tiny_lora_args(max_loras=2),
-            *("--data-parallel-size", "2"),
+            *("--data-parallel-size", "2", "--dtype", "float32"),
+            "--enable-prompt-tokens-details",
             *("--max-cpu-loras", "3"),  # slots policy and ref_b, and one lease copy
             *_modules(_dp2_slots(p)),
             *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
             *OPEN,
         ),
-        {"ART_TEST_HOOKS": "1", "VLLM_CPU_OMP_THREADS_BIND": _two_cpus()},
+        {
+            "ART_TEST_HOOKS": "1",
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": _two_cpus(),
+        },
     )
 
 
@@ -252,7 +259,7 @@ KINDS: dict[str, Kind] = {
             lambda p: tp_config(p, 2),
             _tp2_slots,
         ),
-        Kind("dp2", "--data-parallel-size 2, fault hook", _dp2, _dp2_slots),
+        Kind("dp2", "--data-parallel-size 2, float32, fault hook, dev mode", _dp2, _dp2_slots),
         Kind("moe_routes", "tiny Qwen3-MoE, --art-routes, no LoRA", _moe_routes, lambda p: {}),
     )
 }

@@ -389,7 +389,9 @@ def server_pool(tmp_path_factory) -> ServerPool:
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     """Modules that use no shared server first, then the modules of each kind together (in
-    `KINDS` order); every module keeps its own test order."""
+    `KINDS` order), a module marked `changes_base_weights` after the kind's other modules
+    (a full-weight update moves the base version every later module's spans and salts would
+    carry); every module keeps its own test order."""
     names = [k.fixture for k in _kinds().values()]
     by_module: dict[str, list] = {}
     for item in items:
@@ -399,7 +401,13 @@ def pytest_collection_modifyitems(session, config, items):
         used = {f for item in module_items for f in getattr(item, "fixturenames", ())}
         return min((i + 1 for i, n in enumerate(names) if n in used), default=0)
 
-    ordered = sorted(enumerate(by_module.values()), key=lambda pair: (rank(pair[1]), pair[0]))
+    def last(module_items) -> bool:
+        return any(item.get_closest_marker("changes_base_weights") for item in module_items)
+
+    ordered = sorted(
+        enumerate(by_module.values()),
+        key=lambda pair: (rank(pair[1]), last(pair[1]), pair[0]),
+    )
     items[:] = [item for _, module_items in ordered for item in module_items]
 
 
