@@ -252,6 +252,36 @@ def new_stage_dir(config: StagingConfig, slot: str, version: int) -> Path:
     return path
 
 
+def fill_stage(
+    config: StagingConfig,
+    slot: str,
+    version: int,
+    engines: list[int],
+    write,
+    what: str,
+    stage_dir: Path | None = None,
+) -> Path:
+    """A stage directory (a new one, or `stage_dir` that already holds the files) with
+    `write(stage_dir)` done and one marker directory per DP engine rank in `engines`. Nothing
+    is left behind when it fails: `StagingRefused` (507 when out of space, else 500) for a
+    failed write, any other error as raised."""
+    try:
+        if stage_dir is None:
+            stage_dir = new_stage_dir(config, slot, version)
+            write(stage_dir)
+        for rank in engines:
+            marker_dir(stage_dir, rank)
+    except OSError as exc:
+        if stage_dir is not None:
+            remove(stage_dir)
+        raise config.refusal_for(exc, what) from exc
+    except BaseException:
+        if stage_dir is not None:
+            remove(stage_dir)
+        raise
+    return stage_dir
+
+
 def sweep(root: str | Path, prefix: str = PREFIX) -> list[Path]:
     """Remove what crashed processes left in `root`: entries named `prefix<owner>-...`, owned
     by this uid, from this PID namespace, whose owner process is gone. Returns them."""

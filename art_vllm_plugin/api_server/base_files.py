@@ -58,22 +58,12 @@ def write_stage(config: staging.StagingConfig, source: Path, version: int, engin
     except (LayoutError, OSError) as exc:
         raise WeightsRefused(what, [str(exc)]) from exc
     config.check_space(size, what)
-    stage_dir = None
-    try:
-        stage_dir = staging.new_stage_dir(config, "base", version)
+
+    def copy(stage_dir: Path) -> None:
         for f in files:
             shutil.copyfile(f, stage_dir / f.name)
-        for e in engines:
-            staging.marker_dir(stage_dir, e.dp_rank)
-    except OSError as exc:
-        if stage_dir is not None:
-            staging.remove(stage_dir)
-        raise config.refusal_for(exc, what) from exc
-    except BaseException:
-        if stage_dir is not None:
-            staging.remove(stage_dir)
-        raise
-    return stage_dir
+
+    return staging.fill_stage(config, "base", version, [e.dp_rank for e in engines], copy, what)
 
 
 def non_finite(checkpoint_dir: Path) -> list[str]:

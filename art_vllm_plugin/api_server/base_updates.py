@@ -32,7 +32,7 @@ import time
 import uuid
 from pathlib import Path
 
-from art_protocol.updates import UpdateRequest, UpdateResponse
+from art_protocol.updates import UpdateRequest
 from art_protocol.weight_updates import BASE_SLOT
 from art_vllm_plugin import staging
 from art_vllm_plugin.api_server import base_files, slot_publish
@@ -193,35 +193,9 @@ class BaseUpdater:
     async def _finish(self, req, token, fingerprint, current, digest, result, t0, stage_dir):
         """Record the committed update on every engine (final: no revert any more), then
         drop the stage of the version it replaced."""
-        elapsed_ms = (time.perf_counter() - t0) * 1000.0
-        response = UpdateResponse(
-            slot=BASE_SLOT,
-            version=req.version,
-            previous_version=current,
-            digest=digest,
-            operation_id=req.operation_id,
-            step=result.step,
-            receipts=result.receipts,
-            elapsed_ms=elapsed_ms,
-            engine_ms=result.engine_ms,
-            stall_ms=result.stall_ms,
-            resalted_waiting=result.resalted_waiting,
-        ).to_json()
-        finished = await slot_publish.call_all(
-            self.engine_client,
-            self.engines,
-            "art_finish_update",
-            token,
-            BASE_SLOT,
-            True,
-            req.operation_id,
-            fingerprint,
-            response,
-            elapsed_ms,
+        response, elapsed_ms = await self.coordinator.record_committed(
+            req, token, fingerprint, current, digest, result, t0
         )
-        for e, r in zip(self.engines, finished, strict=True):
-            if isinstance(r, BaseException):  # committed; only the bookkeeping failed
-                logger.warning("art: engine %d could not record update: %s", e.dp_rank, r)
         previous, self.current_dir = self.current_dir, stage_dir
         if previous is not None:
             await asyncio.to_thread(staging.remove, previous)

@@ -304,22 +304,15 @@ def _write_stage(
     what = f"adapter {slot}@{version}"
     if pushed_dir is None:
         config.check_space(len(files.config) + len(files.weights), what)
-    stage_dir = pushed_dir
-    try:
-        if stage_dir is None:
-            stage_dir = staging.new_stage_dir(config, slot, version)
-            staging.write_files(stage_dir, files.as_files())
-        for e in engines:
-            staging.marker_dir(stage_dir, e.dp_rank)
-    except OSError as exc:
-        if stage_dir is not None:
-            staging.remove(stage_dir)
-        raise config.refusal_for(exc, what) from exc
-    except BaseException:
-        if stage_dir is not None:
-            staging.remove(stage_dir)
-        raise
-    return stage_dir
+    return staging.fill_stage(
+        config,
+        slot,
+        version,
+        [e.dp_rank for e in engines],
+        lambda stage_dir: staging.write_files(stage_dir, files.as_files()),
+        what,
+        pushed_dir,
+    )
 
 
 def _poll_local(stage_dir, pending) -> list[tuple[list[int], dict[int, str]] | None]:

@@ -181,6 +181,43 @@ class UpdateCoordinator:
                 )
             await asyncio.sleep(_RESERVE_POLL_S)
 
+    async def record_committed(
+        self, req: UpdateRequest, token, fingerprint, current, digest, result, t0
+    ) -> tuple[dict, float]:
+        """The response of an update committed on every engine, recorded on every engine
+        (`art_finish_update`: the commit is final, the operation id replays it, the
+        reservation ends); (response, elapsed ms)."""
+        elapsed_ms = (time.perf_counter() - t0) * 1000.0
+        response = UpdateResponse(
+            slot=req.slot,
+            version=req.version,
+            previous_version=current,
+            digest=digest,
+            operation_id=req.operation_id,
+            step=result.step,
+            receipts=result.receipts,
+            elapsed_ms=elapsed_ms,
+            engine_ms=result.engine_ms,
+            stall_ms=result.stall_ms,
+            resalted_waiting=result.resalted_waiting,
+        ).to_json()
+        finished = await slot_publish.call_all(
+            self.engine_client,
+            self.engines,
+            "art_finish_update",
+            token,
+            req.slot,
+            True,
+            req.operation_id,
+            fingerprint,
+            response,
+            elapsed_ms,
+        )
+        for e, r in zip(self.engines, finished, strict=True):
+            if isinstance(r, BaseException):  # committed; only the bookkeeping failed
+                logger.warning("art: engine %d could not record update: %s", e.dp_rank, r)
+        return response, elapsed_ms
+
     def _read_path(self, resolved: str, name: str, local) -> AdapterFiles:
         """The adapter at `resolved`, size-checked before it is read (413), then validated."""
         what = f"the adapter at {resolved}"
@@ -290,35 +327,9 @@ class UpdateCoordinator:
                     ) from exc
                 raise UpdateError(exc.status, exc.message) from exc
             self.pushed_copies.committed(name, resolved)
-            elapsed_ms = (time.perf_counter() - t0) * 1000.0
-            response = UpdateResponse(
-                slot=name,
-                version=req.version,
-                previous_version=current,
-                digest=digest,
-                operation_id=req.operation_id,
-                step=result.step,
-                receipts=result.receipts,
-                elapsed_ms=elapsed_ms,
-                engine_ms=result.engine_ms,
-                stall_ms=result.stall_ms,
-                resalted_waiting=result.resalted_waiting,
-            ).to_json()
-            finished = await slot_publish.call_all(
-                self.engine_client,
-                self.engines,
-                "art_finish_update",
-                token,
-                name,
-                True,
-                req.operation_id,
-                fingerprint,
-                response,
-                elapsed_ms,
+            response, elapsed_ms = await self.record_committed(
+                req, token, fingerprint, current, digest, result, t0
             )
-            for e, r in zip(self.engines, finished, strict=True):
-                if isinstance(r, BaseException):  # committed; only the bookkeeping failed
-                    logger.warning("art: engine %d could not record update: %s", e.dp_rank, r)
             self.view.apply_committed(name, req.version, resolved, digest, elapsed_ms)
             logger.info(
                 "art update slot=%s version=%d step=%d engines=%d%s wait+validate=%.1fms "
