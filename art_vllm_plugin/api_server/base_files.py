@@ -12,6 +12,7 @@ The checks, all before anything changes (a refusal names every problem, 422):
 - values: every floating-point tensor is finite (a NaN in the weights would turn every token
   to garbage, with nothing in the response to say why);
 - digest: of the copy (`art_protocol.weights_digest`), against the request's when it has one.
+  Values and digest come from one read of the files (`scan`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from art_protocol.checkpoint_layout import (
     layout_problems,
     read_layout,
 )
-from art_protocol.weights_digest import digest_checkpoint
+from art_protocol.weights_digest import WeightsDigest
 from art_vllm_plugin import staging
 
 #: Most problems one refusal lists (the rest are counted).
@@ -66,19 +67,22 @@ def write_stage(config: staging.StagingConfig, source: Path, version: int, engin
     return staging.fill_stage(config, "base", version, [e.dp_rank for e in engines], copy, what)
 
 
-def non_finite(checkpoint_dir: Path) -> list[str]:
-    """The floating-point tensors holding a NaN or an infinity, one sentence each."""
+def scan(checkpoint_dir: Path) -> tuple[str, list[str]]:
+    """(the weights' digest, the floating-point tensors holding a NaN or an infinity, one
+    sentence each), in one read of the files: each tensor is loaded once for both."""
     import torch
     from safetensors import safe_open
 
-    bad = []
+    digest, bad = WeightsDigest(), []
     for path in checkpoint_files(checkpoint_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(name).contiguous()
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                     bad.append(f"{name}: holds NaN or infinite values")
-    return bad
+                data = tensor.view(torch.uint8).numpy() if tensor.numel() else b""
+                digest.update(name, str(tensor.dtype), tuple(tensor.shape), data)
+    return digest.hexdigest(), bad
 
 
 def check_stage(stage_dir: Path, served_dir: Path, source: str) -> str:
@@ -90,9 +94,7 @@ def check_stage(stage_dir: Path, served_dir: Path, source: str) -> str:
         raise WeightsRefused(source, [str(exc)]) from exc
     if problems:
         raise WeightsRefused(source, problems)
-    if problems := non_finite(stage_dir):
+    digest, problems = scan(stage_dir)
+    if problems:
         raise WeightsRefused(source, problems)
-    try:
-        return digest_checkpoint(stage_dir).hexdigest()
-    except LayoutError as exc:
-        raise WeightsRefused(source, [str(exc)]) from exc
+    return digest
