@@ -37,7 +37,11 @@ from art_protocol.weight_updates import BASE_SLOT
 from art_vllm_plugin import staging
 from art_vllm_plugin.api_server import base_files, slot_publish
 from art_vllm_plugin.api_server.paths import PathRefused
-from art_vllm_plugin.api_server.update_coordinator import UpdateCoordinator, UpdateError
+from art_vllm_plugin.api_server.update_coordinator import (
+    UpdateCoordinator,
+    UpdateError,
+    check_digest,
+)
 
 logger = logging.getLogger("vllm.art_plugin.slots")
 
@@ -147,12 +151,7 @@ class BaseUpdater:
             )
         except base_files.WeightsRefused as exc:
             raise UpdateError(422, f"{exc}; {keeps}") from exc
-        if req.digest is not None and req.digest != digest:
-            raise UpdateError(
-                422,
-                f"digest mismatch: the request says {req.digest}, {source} is {digest} (a torn "
-                f"or partial export?); {keeps}",
-            )
+        check_digest(req, source, digest, keeps)
         calls = [
             (
                 "art_stage_base_update",
@@ -180,14 +179,11 @@ class BaseUpdater:
                 operation_id=req.operation_id,
             )
         except slot_publish.PublishError as exc:
-            if exc.state_unknown:
-                await self.coordinator.block(BASE_SLOT, req, exc.message)
-                raise UpdateError(
-                    exc.status,
-                    f"{exc.message}; every request is refused (503) until a full-weight update "
-                    "commits on every engine",
-                ) from exc
-            raise UpdateError(exc.status, exc.message) from exc
+            raise await self.coordinator.publish_failed(
+                exc,
+                req,
+                "every request is refused (503) until a full-weight update commits on every engine",
+            ) from exc
         return result, digest
 
     async def _finish(self, req, token, fingerprint, current, digest, result, t0, stage_dir):

@@ -75,6 +75,16 @@ def parse_update(body) -> UpdateRequest:
         raise UpdateError(400, str(exc)) from exc
 
 
+def check_digest(req: UpdateRequest, source: str, digest: str, keeps: str) -> None:
+    """`UpdateError(422)` when the request names a digest and the bytes read have another."""
+    if req.digest is not None and req.digest != digest:
+        raise UpdateError(
+            422,
+            f"digest mismatch: the request says {req.digest}, {source} is {digest} "
+            f"(a torn or partial export?); {keeps}",
+        )
+
+
 class UpdateCoordinator:
     def __init__(
         self,
@@ -181,6 +191,17 @@ class UpdateCoordinator:
                 )
             await asyncio.sleep(_RESERVE_POLL_S)
 
+    async def publish_failed(
+        self, exc: slot_publish.PublishError, req: UpdateRequest, refused: str
+    ) -> UpdateError:
+        """The answer to a publish that failed; when it left the state unknown, `req.slot` (a
+        slot, or the base weights) is blocked on every engine first and the answer says what
+        is `refused` until a clean update."""
+        if exc.state_unknown:
+            await self.block(req.slot, req, exc.message)
+            return UpdateError(exc.status, f"{exc.message}; {refused}")
+        return UpdateError(exc.status, exc.message)
+
     async def record_committed(
         self, req: UpdateRequest, token, fingerprint, current, digest, result, t0
     ) -> tuple[dict, float]:
@@ -281,12 +302,7 @@ class UpdateCoordinator:
             digest = content or await asyncio.to_thread(
                 adapter_digest.digest_bytes, files.config, files.weights
             )
-            if req.digest is not None and req.digest != digest:
-                raise UpdateError(
-                    422,
-                    f"digest mismatch: the request says {req.digest}, {source} is {digest} "
-                    f"(a torn or partial export?); {keeps}",
-                )
+            check_digest(req, source, digest, keeps)
             if pushed is not None:
                 try:
                     kept = await asyncio.to_thread(
@@ -318,14 +334,12 @@ class UpdateCoordinator:
             except slot_publish.PublishError as exc:
                 if pushed is not None:
                     await asyncio.to_thread(self.pushed_copies.discard, resolved)
-                if exc.state_unknown:
-                    await self.block(name, req, exc.message)
-                    raise UpdateError(
-                        exc.status,
-                        f"{exc.message}; requests on slot {name!r} are refused (503) until an "
-                        "update of it commits on every engine",
-                    ) from exc
-                raise UpdateError(exc.status, exc.message) from exc
+                raise await self.publish_failed(
+                    exc,
+                    req,
+                    f"requests on slot {name!r} are refused (503) until an update of it "
+                    "commits on every engine",
+                ) from exc
             self.pushed_copies.committed(name, resolved)
             response, elapsed_ms = await self.record_committed(
                 req, token, fingerprint, current, digest, result, t0
