@@ -15,10 +15,16 @@ import pytest
 
 REQUIRE_GPU_ENV = "ART_REQUIRE_GPU"
 
-#: Shared `vllm serve` processes, one per configuration (tests/support/server_pool.py); the
-#: ten slowest modules at the end of a run (tests/support/module_times.py); the model runner
-#: the servers use (tests/support/model_runner.py).
-pytest_plugins = ["support.server_pool", "support.module_times", "support.model_runner"]
+#: Shared `vllm serve` processes, one per configuration (tests/support/server_pool.py);
+#: `--servers shared|own` to run one half of the serve suite (tests/support/server_split.py);
+#: the ten slowest modules at the end of a run (tests/support/module_times.py); the model
+#: runner the servers use (tests/support/model_runner.py).
+pytest_plugins = [
+    "support.server_pool",
+    "support.server_split",
+    "support.module_times",
+    "support.model_runner",
+]
 
 
 def _require_gpu() -> bool:
