@@ -10,8 +10,9 @@ import httpx
 from art_protocol.push import AdapterBytes, multipart_files
 from art_protocol.updates import ROUTE as UPDATE_ROUTE
 from art_protocol.updates import UpdateRequest
+from art_protocol.weight_transfer import INIT_ROUTE, TransferPlan
+from art_protocol.weight_updates import BASE_SLOT, body_of, weights_update
 from art_protocol.weight_updates import ROUTE as WEIGHTS_ROUTE
-from art_protocol.weight_updates import body_of, weights_update
 
 
 class ArtError(RuntimeError):
@@ -97,6 +98,32 @@ class ArtClient:
         (`slot` in the response is `BASE_SLOT`); `digest` is `art_protocol.weights_digest`'s."""
         request = weights_update(str(path), version, operation_id, expected_version, digest)
         return self._json(self._http.post(WEIGHTS_ROUTE, json=body_of(request)))
+
+    def init_weight_transfer(self, init_info: dict, *, timeout: float | None = None) -> dict:
+        """Have every worker of every engine join the trainer's weight-transfer group
+        (`init_info` is the server's engine's: for `art_gloo`, `master_address`,
+        `master_port`, `world_size`); answers once they all joined, so call it while the
+        trainer joins too (`art_megatron_ext.weights.GlooWeightSender` does both)."""
+        resp = self._http.post(INIT_ROUTE, json={"init_info": init_info}, timeout=timeout)
+        return self._json(resp)
+
+    def update_weights_stream(
+        self,
+        plan: TransferPlan,
+        version: int,
+        *,
+        operation_id: str | None = None,
+        expected_version: int | None = None,
+        digest: str | None = None,
+        timeout: float | None = None,
+    ) -> dict:
+        """Publish new full weights that the trainer streams over the transfer group (`plan`:
+        what the stream carries, `art_protocol.weight_transfer`). Blocks until the update
+        committed or was refused, so the stream is sent meanwhile, from another thread
+        (`GlooWeightSender.send` does this). Answers as `update_weights`."""
+        request = UpdateRequest(BASE_SLOT, None, version, operation_id, expected_version, digest)
+        body = {**body_of(request), "transfer": plan.to_json()}
+        return self._json(self._http.post(WEIGHTS_ROUTE, json=body, timeout=timeout))
 
     def weights(self) -> dict:
         """The base weights the server serves: {version, digest, updates, blocked, ...}."""
