@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from art_protocol.weight_transfer import GLOO_BACKEND
 from art_vllm_plugin import compat
 from art_vllm_plugin.compat import patches as P
 
@@ -147,6 +148,11 @@ def install_worker() -> None:
     compat.add_all(P.WORKER_BASE_UTILITIES, base_weights)
     compat.add_all(P.WORKER_RIDE_UTILITY, step_rides)
     compat.add_all(P.WORKER_ROUTE_LAYER_IDS, route_layers)
+    # `--weight-transfer-config '{"backend": "art_gloo"}'`: vLLM's factory imports the engine
+    # when a worker loads its model (lazily: nothing is imported here).
+    compat.register_weight_transfer_engine(
+        GLOO_BACKEND, "art_vllm_plugin.worker.gloo_transfer", "ArtGlooWeightTransferEngine"
+    )
     # Each step's output carries the label of the weights its forward ran with.
     compat.wrap(P.WORKER_FORWARD_LABEL, forward_labels.label_forwards)
     compat.wrap(P.WORKER_SAMPLED_LABEL, forward_labels.label_sampled)

@@ -353,5 +353,40 @@ def poll(stage_dir: str | Path, ranks: list[int]) -> tuple[list[int], dict[int, 
     return ready, failed
 
 
+#: In a full-weight stage: the base version it holds (`remove_superseded_base` reads it).
+BASE_MARK = ".art-base-version"
+
+
+def mark_base(stage_dir: Path, version: int) -> None:
+    (stage_dir / BASE_MARK).write_text(str(version))
+
+
+def remove_superseded_base(root: str | Path, version: int) -> list[Path]:
+    """Remove every full-weight stage in `root` (any owner: every API server of one server
+    stages there) that holds a base version older than `version`; returns them."""
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError as exc:
+        logger.warning("art: cannot list %s to remove superseded stages: %s", root, exc)
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(PREFIX):
+            continue
+        try:
+            held = int((Path(entry.path) / BASE_MARK).read_text())
+        except (OSError, ValueError):
+            continue  # no full-weight stage, or one being written
+        if held < version:
+            remove(entry.path)
+            removed.append(Path(entry.path))
+    return removed
+
+
+def ready_text(stage_dir: str | Path, rank: int) -> str:
+    """What worker `rank` wrote in its ready marker (a streamed stage: the digest received)."""
+    return (Path(stage_dir) / f"{READY}.{rank}").read_text(errors="replace")
+
+
 def remove(stage_dir: str | Path) -> None:
     shutil.rmtree(stage_dir, ignore_errors=True)

@@ -1,6 +1,7 @@
 """Full weights of a Megatron model for the serving side (full-weight updates, issue 26)."""
 
+from art_megatron_ext.weights.gloo_sender import GlooWeightSender
 from art_megatron_ext.weights.hf_checkpoint import write_hf_checkpoint
 from art_megatron_ext.weights.hf_stream import StreamReceipt, stream_hf_weights
 
-__all__ = ["StreamReceipt", "stream_hf_weights", "write_hf_checkpoint"]
+__all__ = ["GlooWeightSender", "StreamReceipt", "stream_hf_weights", "write_hf_checkpoint"]

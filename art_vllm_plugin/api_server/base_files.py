@@ -63,6 +63,7 @@ def write_stage(config: staging.StagingConfig, source: Path, version: int, engin
     def copy(stage_dir: Path) -> None:
         for f in files:
             shutil.copyfile(f, stage_dir / f.name)
+        staging.mark_base(stage_dir, version)
 
     return staging.fill_stage(config, "base", version, [e.dp_rank for e in engines], copy, what)
 

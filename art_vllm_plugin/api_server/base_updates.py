@@ -19,20 +19,38 @@ for the base weights under the registry key `BASE_SLOT`:
 5. record the outcome on every engine (`art_finish_update`), which makes the commit final.
 
 The committed stage stays on disk while its version is current: it is what a revert of the
-next update reads (the workers keep no copy of the weights, `worker/base_weights.py`). The
-previous version's stage is removed once the next one is final. Engines on another host than
-this API server cannot read the stage; an update is refused (501) when there is one.
+next update reads (the workers keep no copy of the weights, `worker/base_weights.py`). Once
+an update is final, every base stage of an older version is removed, whichever API server of
+this `vllm serve` wrote it (`staging.remove_superseded_base`: a stage records its version;
+base updates are one at a time across API servers, so nothing older can be needed again).
+Engines on another host than this API server cannot read the stage; an update is refused
+(501) when there is one.
+
+A streamed update (`update_stream`, body `transfer`: `art_protocol.weight_transfer`) differs
+in step 2 and 3 only: its plan (names, dtypes, shapes) is checked against the served model
+before any byte moves (422), the stage holds only the workers' markers, each worker receives
+the trainer's stream through its weight-transfer engine, and the digest is the one every
+worker reports for what it received (all equal, and the request's when it names one). The
+trainer sends once every worker is receiving (`ready_key` in the group's store), so a
+refusal before that point costs it nothing. The streamed version's weights stay in the
+workers' host memory while current (what a revert of the next update writes back).
+`init_transfer` has every worker of every engine join the trainer's group first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import json
 import logging
 import time
 import uuid
 from pathlib import Path
 
+from art_protocol.checkpoint_layout import LayoutError, layout_problems, read_layout
 from art_protocol.updates import UpdateRequest
+from art_protocol.weight_transfer import TransferPlan
 from art_protocol.weight_updates import BASE_SLOT
 from art_vllm_plugin import staging
 from art_vllm_plugin.api_server import base_files, slot_publish
@@ -65,27 +83,53 @@ class BaseUpdater:
         self.served_dir = served_dir
         self.model = model
         self._lock = asyncio.Lock()
-        #: The stage of the base version this server committed last (kept while current).
-        self.current_dir: Path | None = None
 
     async def update(self, req: UpdateRequest) -> dict:
         """Run one update to its end, whatever happens to the client (as for slot updates)."""
-        task = asyncio.ensure_future(self._update(req))
+        task = asyncio.ensure_future(self._update(self._update_locked, req))
         return await asyncio.shield(task)
 
-    async def _update(self, req: UpdateRequest) -> dict:
+    async def update_stream(self, req: UpdateRequest, plan: TransferPlan) -> dict:
+        """The same for weights the trainer streams (see the module docstring)."""
+        run = functools.partial(self._stream_locked, plan=plan)
+        return await asyncio.shield(asyncio.ensure_future(self._update(run, req)))
+
+    async def init_transfer(self, init_info: dict) -> dict:
+        """Every worker of every engine joins the trainer's group, at the same time (each
+        engine's workers block until the whole group is there)."""
+        t0 = time.perf_counter()
+        results = await slot_publish.call_all(
+            self.engine_client, self.engines, "art_init_weight_transfer", init_info
+        )
+        errors = [
+            f"engine {e.dp_rank}: {type(r).__name__}: {r}"
+            for e, r in zip(self.engines, results, strict=True)
+            if isinstance(r, BaseException)
+        ]
+        if errors:
+            raise UpdateError(
+                400 if "init_info" in " ".join(errors) else 500,
+                f"joining the weight-transfer group failed ({'; '.join(errors)}); the base "
+                "weights are unchanged",
+            )
+        workers = sum(r["workers"] for r in results)
+        return {"engines": len(self.engines), "workers": workers, "ms": _ms(t0)}
+
+    async def _update(self, run, req: UpdateRequest) -> dict:
         token = uuid.uuid4().hex
         self.view.registry_changing()
         try:
             await self.view.ensure_registered()
-            return await self._update_locked(req, token)
+            return await run(req, token)
         except BaseException:
             await self.coordinator.note_failure(token, BASE_SLOT)  # ends the reservation
             raise
         finally:
             self.view.registry_changing()
 
-    def _refuse_unsupported(self) -> None:
+    def _refuse_unsupported(self, streamed: bool = False) -> None:
+        """501 for what full-weight updates cannot do yet; `streamed`: engines on another host
+        receive a stream themselves (only files need this host's stage)."""
         if self.served_dir is None:
             raise UpdateError(
                 501,
@@ -93,12 +137,12 @@ class BaseUpdater:
                 f"safetensors to check updates against; {self.model!r} is not one (serve the "
                 "model from its local directory); nothing changed",
             )
-        if remote := [e.dp_rank for e in self.engines if e.remote]:
+        if not streamed and (remote := [e.dp_rank for e in self.engines if e.remote]):
             raise UpdateError(
                 501,
                 f"engines {remote} run on another host than this API server and cannot read "
-                "its stage; full-weight updates need every engine on this host for now; "
-                "nothing changed",
+                "its stage; stream the weights instead ('transfer', over the engines' "
+                "weight-transfer group); nothing changed",
             )
 
     async def _update_locked(self, req: UpdateRequest, token: str) -> dict:
@@ -144,6 +188,55 @@ class BaseUpdater:
                 req, token, fingerprint, current, digest, result, t0, stage_dir
             )
 
+    async def _stream_locked(self, req: UpdateRequest, token: str, plan: TransferPlan) -> dict:
+        t0 = time.perf_counter()
+        self._refuse_unsupported(streamed=True)
+        source = f"the full weights streamed in round {plan.round!r}"
+        current = self.view.base.get("version", 0)
+        try:
+            problems = layout_problems(read_layout(self.served_dir), plan.layout())
+        except LayoutError as exc:
+            problems = [str(exc)]
+        if problems:
+            refused = base_files.WeightsRefused(source, problems)
+            raise UpdateError(422, f"{refused}; the base weights keep serving version {current}")
+        fingerprint = req.fingerprint(f"stream of {len(plan.names)} tensors")
+        if req.operation_id is None:
+            fingerprint = None
+        async with self._lock:
+            admitted = await self.coordinator.reserve(req, token, fingerprint)
+            if not admitted["ok"]:
+                if admitted["kind"] == "replay":
+                    return {**admitted["response"], "replayed": True}
+                raise UpdateError(409, f"{admitted['error']}; nothing changed")
+            keeps = f"the base weights keep serving version {admitted['version']}"
+            try:
+                stage_dir = await asyncio.to_thread(
+                    staging.fill_stage,
+                    self.coordinator.staging,
+                    "base",
+                    req.version,
+                    [e.dp_rank for e in self.engines],
+                    lambda _dir: None,  # markers only: the weights come in the stream
+                    source,
+                )
+            except staging.StagingRefused as exc:
+                raise UpdateError(exc.status, f"{exc}; {keeps}") from exc
+            try:
+                calls = [_stream_call(e, token, plan, req, stage_dir) for e in self.engines]
+                result = await self._publish(req, token, stage_dir, source, keeps, calls)
+            finally:
+                if remote := [e for e in self.engines if e.remote]:
+                    with contextlib.suppress(Exception):  # a lost engine took its markers
+                        await slot_publish.call_all(
+                            self.engine_client, remote, "art_drop_relayed", token
+                        )
+                await asyncio.to_thread(staging.remove, stage_dir)
+            digest = result.receipts[0]["digest"]
+            return await self._finish(
+                req, token, fingerprint, admitted["version"], digest, result, t0, None
+            )
+
     async def _check_and_publish(self, req, token, stage_dir: Path, source: str, keeps: str):
         try:
             digest = await asyncio.to_thread(
@@ -163,8 +256,16 @@ class BaseUpdater:
             )
             for e in self.engines
         ]
+        return await self._publish(req, token, stage_dir, source, keeps, calls, digest), digest
+
+    async def _publish(self, req, token, stage_dir, source, keeps, calls, digest=None):
+        """Stage with `calls` and commit everywhere (`slot_publish.stage_and_commit`); without
+        `digest` (a stream), the digest is what every worker reports it received."""
+        check = None
+        if digest is None:
+            check = functools.partial(self._streamed_digest, req, token, stage_dir, source, keeps)
         try:
-            result = await slot_publish.stage_and_commit(
+            return await slot_publish.stage_and_commit(
                 self.engine_client,
                 self.engines,
                 token=token,
@@ -175,8 +276,9 @@ class BaseUpdater:
                 slot=BASE_SLOT,
                 version=req.version,
                 digest=digest,
-                path=str(stage_dir),
+                path=None if digest is None else str(stage_dir),
                 operation_id=req.operation_id,
+                check_staged=check,
             )
         except slot_publish.PublishError as exc:
             raise await self.coordinator.publish_failed(
@@ -184,17 +286,41 @@ class BaseUpdater:
                 req,
                 "every request is refused (503) until a full-weight update commits on every engine",
             ) from exc
-        return result, digest
+
+    async def _streamed_digest(self, req, token, stage_dir, source, keeps, ranks) -> str:
+        """The digest every worker of every engine reports it received: one value (else 500:
+        the engines would serve different weights), the request's when it names one."""
+        digests = set()
+        for e, engine_ranks in zip(self.engines, ranks, strict=True):
+            if e.remote:  # its markers are on its own host
+                texts = await slot_publish.call(
+                    self.engine_client, e, "art_stage_ready_texts", token, engine_ranks
+                )
+                texts = list(texts.values())
+            else:
+                markers = staging.marker_dir(stage_dir, e.dp_rank)
+                texts = [staging.ready_text(markers, r) for r in engine_ranks]
+            digests |= {json.loads(text)["digest"] for text in texts}
+        if len(digests) != 1:
+            raise slot_publish.PublishError(
+                500,
+                f"the workers received different weights from {source} ({sorted(digests)}); "
+                f"every engine aborted the update; {keeps}",
+            )
+        (digest,) = digests
+        check_digest(req, source, digest, keeps)
+        return digest
 
     async def _finish(self, req, token, fingerprint, current, digest, result, t0, stage_dir):
         """Record the committed update on every engine (final: no revert any more), then
-        drop the stage of the version it replaced."""
+        drop the stages of the versions before it, whichever API server wrote them (a stream
+        left none of its own: `stage_dir` None)."""
         response, elapsed_ms = await self.coordinator.record_committed(
             req, token, fingerprint, current, digest, result, t0
         )
-        previous, self.current_dir = self.current_dir, stage_dir
-        if previous is not None:
-            await asyncio.to_thread(staging.remove, previous)
+        await asyncio.to_thread(
+            staging.remove_superseded_base, self.coordinator.staging.root, req.version
+        )
         logger.info(
             "art update base weights version=%d step=%d engines=%d total=%.1fms stage=%.1fms "
             "stall=%.2fms",
@@ -206,3 +332,16 @@ class BaseUpdater:
             result.stall_ms,
         )
         return response
+
+
+def _stream_call(e: slot_publish.Engine, token: str, plan: TransferPlan, req, stage_dir) -> tuple:
+    """(utility, *args) that has engine `e`'s workers receive the stream: markers in this
+    server's stage, or for an engine on another host in a directory on its own host."""
+    if e.remote:
+        return ("art_stage_base_relayed", token, plan.to_json(), req.version, req.digest, e.dp_rank)
+    markers = str(staging.marker_dir(stage_dir, e.dp_rank))
+    return ("art_stage_base_update", token, plan.to_json(), req.version, markers, req.digest)
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from art_protocol.updates import UpdateRequestError
-from art_protocol.weight_updates import parse_weights_update
+from art_protocol.weight_updates import is_transfer, parse_transfer_update, parse_weights_update
 from art_vllm_plugin import compat, features, install
 from art_vllm_plugin.api_server import adapter_push, lease_routes, leases
 from art_vllm_plugin.api_server.auth import require_api_key
@@ -92,22 +92,49 @@ async def lora_update(request: Request):
 async def weights_update(request: Request):
     """Write new full (base) weights between two engine steps on every engine, or on none,
     and bump the base version (`api_server/base_updates.py`). JSON body
-    `{"path", "version"[, "operation_id", "expected_version", "digest"]}`."""
+    `{"path", "version"[, "operation_id", "expected_version", "digest"]}`, or with
+    `"transfer": {plan}` instead of `path`: the trainer streams the weights over the group
+    of `POST /art/v1/weights/transfer/init` (`art_protocol.weight_transfer`)."""
     art = request.app.state.art
+    plan = None
     try:
         try:
             body = await request.json()
         except ValueError as exc:
             raise UpdateError(400, f"body is not valid JSON: {exc}") from exc
         try:
-            update = parse_weights_update(body)
+            if is_transfer(body):
+                update, plan = parse_transfer_update(body)
+            else:
+                update = parse_weights_update(body)
         except UpdateRequestError as exc:
             raise UpdateError(400, str(exc)) from exc
     except UpdateError as exc:
         art.updates.failed_unattributed += 1
         return _error(exc.status, exc.message)
     try:
+        if plan is not None:
+            return await art.base_updates.update_stream(update, plan)
         return await art.base_updates.update(update)
+    except UpdateError as exc:
+        return _error(exc.status, exc.message)
+
+
+@router.post("/v1/weights/transfer/init")
+async def weights_transfer_init(request: Request):
+    """Every worker of every DP engine joins the trainer's weight-transfer group (JSON
+    `{"init_info": {...}}`, the engine's: for `art_gloo` `master_address`, `master_port`,
+    `world_size`[, `rank_offset`, `timeout_s`]). Answers once every worker has joined."""
+    art = request.app.state.art
+    try:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise UpdateError(400, f"body is not valid JSON: {exc}") from exc
+        init_info = body.get("init_info") if isinstance(body, dict) else None
+        if not isinstance(init_info, dict):
+            raise UpdateError(400, 'body must be a JSON object {"init_info": {...}}')
+        return await art.base_updates.init_transfer(init_info)
     except UpdateError as exc:
         return _error(exc.status, exc.message)
 

@@ -168,14 +168,17 @@ async def stage_and_commit(
     keeps: str,
     slot: str,
     version: int,
-    digest: str,
+    digest: str | None,
     path: str | None,
     operation_id: str | None,
+    check_staged=None,
 ) -> PublishResult:
     """Steps 2-4 of the module docstring for an update already written to `stage_dir`:
     `stage_calls[i]` is the (utility, *args) that starts staging on `engines[i]`; `what` names
-    the update in errors. What is still staged when this fails is aborted; the caller owns
-    `stage_dir`."""
+    the update in errors. `check_staged(ranks)`, when given, runs once every worker staged
+    (`ranks[i]`: engine i's) and returns the digest to commit with, or raises `PublishError`
+    (a streamed update's digest is known only once received). What is still staged when this
+    fails is aborted; the caller owns `stage_dir`."""
     staged: list[Engine] = []
     committed = False
     try:
@@ -201,6 +204,8 @@ async def stage_and_commit(
                 raise PublishError(status, f"{res['error']}{where}; nothing changed")
         ranks = [r["ranks"] for r in results]
         await wait_staged(engine_client, stage_dir, engines, ranks, what, keeps, token)
+        if check_staged is not None:
+            digest = await check_staged(ranks)
         stage_ms = (time.perf_counter() - t0) * 1000.0
         results = await call_all(
             engine_client, engines, "art_commit_lora_update", token, path, digest, operation_id

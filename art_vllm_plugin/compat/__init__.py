@@ -108,6 +108,14 @@ from art_vllm_plugin.compat.versions import (
     require_supported_vllm,
     vllm_version,
 )
+from art_vllm_plugin.compat.weight_transfer import (
+    engine_init_weight_transfer,
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+    register_weight_transfer_engine,
+    weight_transfer_engine_base,
+    worker_weight_transfer_engine,
+)
 from art_vllm_plugin.compat.worker import (
     adapter_model_manager,
     aux_output_metadata,
@@ -165,6 +173,7 @@ __all__ = [
     "engine_dead_error_class",
     "engine_executor",
     "engine_inflight_batches",
+    "engine_init_weight_transfer",
     "engine_paused",
     "engine_pipeline_stages",
     "engine_scheduler",
@@ -174,8 +183,10 @@ __all__ = [
     "engine_will_step",
     "engine_worker_count",
     "error_response",
+    "finalize_layerwise_reload",
     "freeze_running_requests",
     "gather_across",
+    "initialize_layerwise_reload",
     "is_applied",
     "is_async_runner_output",
     "is_cpu_platform",
@@ -199,6 +210,7 @@ __all__ = [
     "patches",
     "pin_lora_in_cpu_cache",
     "plugin_groups",
+    "register_weight_transfer_engine",
     "registered_adapter",
     "rehash_request_blocks",
     "reload_weights_in_place",
@@ -222,6 +234,7 @@ __all__ = [
     "total_layers",
     "vllm_version",
     "waiting_requests",
+    "weight_transfer_engine_base",
     "weight_version_spans_so_far",
     "worker_lora_manager",
     "worker_model",
@@ -229,6 +242,7 @@ __all__ = [
     "worker_pids",
     "worker_rank",
     "worker_tp_cpu_group",
+    "worker_weight_transfer_engine",
     "wrap",
     "wrap_instance",
 ]

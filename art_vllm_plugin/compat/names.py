@@ -472,5 +472,36 @@ GET_MODEL_LOADER = VllmName(
     "a revert to the served weights reads them as vLLM loaded them (get_all_weights)",
 )
 
+# -- full-weight streams (worker/gloo_transfer.py, worker/base_weights.py) -------------------
+WEIGHT_TRANSFER_ENGINE = VllmName(
+    "vllm.distributed.weight_transfer.base",
+    "WeightTransferEngine",
+    "class",
+    "the art_gloo engine subclasses it; a staged stream retargets any engine at a host sink",
+)
+WEIGHT_TRANSFER_FACTORY = VllmName(
+    "vllm.distributed.weight_transfer.factory",
+    "WeightTransferEngineFactory",
+    "class",
+    "register_engine (art_gloo) and its _registry (registered once per process)",
+)
+WEIGHT_TRANSFER_REGISTRY = VllmName(
+    "vllm.distributed.weight_transfer.factory",
+    "WeightTransferEngineFactory._registry",
+    "attribute",
+    "whether art_gloo is registered already (register_engine refuses a name twice)",
+)
+WORKER_WEIGHT_TRANSFER_ENGINE = VllmName(
+    "vllm.v1.worker.gpu_worker",
+    "Worker.weight_transfer_engine",
+    "attribute",
+    "the engine built at load_model from --weight-transfer-config, which a stage receives on",
+)
+WORKER_INIT_WEIGHT_TRANSFER = VllmName(
+    "vllm.v1.worker.gpu_worker",
+    "Worker.init_weight_transfer_engine",
+    "method",
+    "every worker of every DP engine joins the trainer's group (vLLM's route reaches engine 0)",
+)
 #: Every declared name.
 ALL: tuple[VllmName, ...] = collect(dict(globals()), VllmName)

@@ -131,16 +131,24 @@ SLOT_UPDATE_UTILITIES = adds(
 BASE_UPDATE_UTILITIES = adds(
     _ENGINE,
     "EngineCore",
-    ("art_stage_base_update",),
+    ("art_stage_base_update", "art_init_weight_transfer"),
     by="engine_core.base_updates",
-    why="utility call that stages a full-weight update (the rest goes through the slot books)",
+    why="utility calls that stage a full-weight update (the rest goes through the slot books) "
+    "and join every worker of an engine to the trainer's weight-transfer group",
 )
 RELAYED_STAGE_UTILITIES = adds(
     _ENGINE,
     "EngineCore",
-    ("art_stage_relayed", "art_stage_markers", "art_drop_relayed"),
+    (
+        "art_stage_relayed",
+        "art_stage_base_relayed",
+        "art_stage_markers",
+        "art_stage_ready_texts",
+        "art_drop_relayed",
+    ),
     by="engine_core.relayed_stages",
-    why="utility calls that stage an update from bytes sent in the call (engines on other hosts)",
+    why="utility calls that stage an update from bytes sent in the call, or a streamed "
+    "full-weight update with its markers on the engine's own host (engines on other hosts)",
 )
 LEASE_RECORD_UTILITIES = adds(
     _ENGINE,

@@ -12,8 +12,12 @@ a failure some worker could not undo blocks the base weights (every request is r
 `blocked_slots`), and the version stays bound to its digest.
 
 What differs is only the stage, here: the workers read the update's safetensors files into
-host memory (`worker/base_weights.py`) instead of an adapter, and the commit ride names the
-directory of the weights it replaces, so a revert can read them again.
+host memory (`worker/base_weights.py`) instead of an adapter, or receive the trainer's stream
+through their weight-transfer engine (the source is then a transfer plan), and the commit
+ride names the directory of the weights it replaces, so a revert can read them again.
+`art_init_weight_transfer` has every worker of this engine join the trainer's group (vLLM's
+`/init_weight_transfer_engine` reaches engine 0 only with data parallelism: its
+`collective_rpc` is a utility call on one engine).
 
 While a base commit is open (committed, not finished) no other update stages on this engine,
 and the other way round (`slot_updates.open_commits`): each revert puts back its own weights
@@ -32,12 +36,13 @@ from art_vllm_plugin.engine_core.state import StagedInEngine, engine_state
 
 
 def art_stage_base_update(
-    self, token: str, stage_dir: str, version: int, marker_dir: str, digest: str
+    self, token: str, source: str | dict, version: int, marker_dir: str, digest: str | None
 ) -> dict:
-    """Have every worker start reading the full weights the API server validated and wrote to
-    `stage_dir` (the workers leave their markers in `marker_dir`). Refused when `version` is
-    not newer, was committed here before with another digest, or another update is
-    committing here (`busy`: asked again)."""
+    """Have every worker start staging the full weights: `source` is the directory the API
+    server validated and wrote them to, or the plan of the trainer's stream (`digest` None:
+    the stream's is only known once received). The workers leave their markers in
+    `marker_dir`. Refused when `version` is not newer, was committed here before with another
+    digest, or another update is committing here (`busy`: asked again)."""
     t0 = time.perf_counter()
     engine = engine_state(self)
     state = engine.updates
@@ -49,9 +54,22 @@ def art_stage_base_update(
         return {"ok": False, "kind": "conflict", "error": why}
     if open_ids := slot_updates.open_commits(self, BASE_ID):
         return slot_updates.busy(open_ids)
-    ride = step_rides.Ride(step_rides.BASE_STAGE, token, (stage_dir, marker_dir))
+    ride = step_rides.Ride(step_rides.BASE_STAGE, token, (source, marker_dir, digest))
     step_rides.queue(self, ride)
     ranks = list(range(compat.engine_worker_count(self)))
     engine.registry.digests.note_staged(BASE, token, digest)
     state.staged[token] = StagedInEngine(BASE_ID, BASE, version, ranks, time.perf_counter() - t0)
     return {"ok": True, "ranks": ranks, "stall_ms": (time.perf_counter() - t0) * 1e3}
+
+
+def art_init_weight_transfer(self, init_info: dict) -> dict:
+    """Every worker of this engine joins the trainer's weight-transfer group (blocks this
+    engine's loop until they have: the trainer joins at the same time). The workers' ranks
+    come from their DP index and rank, as vLLM's engines number them."""
+    t0 = time.perf_counter()
+    compat.engine_init_weight_transfer(self, init_info)
+    return {"ok": True, "workers": compat.engine_worker_count(self), "ms": _ms(t0)}
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3

@@ -13,12 +13,16 @@ an abort or an abandoned update removes it too (`abandoned_updates`).
 
 Cost: the engine writes the adapter's bytes once, on its busy loop, inside the stage call (a
 tmpfs write: about a millisecond per MB here); the local engines stage as before.
+
+A streamed full-weight update (`art_stage_base_relayed`) needs no bytes here: the workers
+receive the trainer's stream themselves; only their markers need a directory on this host,
+and the digest each worker received is read back with `art_stage_ready_texts`.
 """
 
 from __future__ import annotations
 
 from art_vllm_plugin import staging
-from art_vllm_plugin.engine_core import slot_updates
+from art_vllm_plugin.engine_core import base_updates, slot_updates
 from art_vllm_plugin.engine_core.state import engine_state
 
 
@@ -56,13 +60,44 @@ def art_stage_relayed(
     res = slot_updates.art_stage_lora_update(
         self, token, lora_int_id, name, stage_dir, version, str(markers), digest
     )
+    return _keep(self, token, res, stage_dir, markers)
+
+
+def _keep(self, token: str, res: dict, stage_dir, markers) -> dict:
+    """Remember a relayed stage that staged (its markers are read through this engine),
+    remove one that did not."""
     if res["ok"]:
         state = engine_state(self)
-        state.relayed[token] = (stage_dir, str(markers))
+        state.relayed[token] = (str(stage_dir), str(markers))
         state.relayed_total += 1
     else:
         staging.remove(stage_dir)
     return res
+
+
+def art_stage_base_relayed(
+    self, token: str, plan: dict, version: int, digest: str | None, engine: int
+) -> dict:
+    """Stage a streamed full-weight update with the workers' markers in a directory on this
+    host (`engine`: this engine's DP rank). Answers like `art_stage_base_update`."""
+    try:
+        config = staging.StagingConfig.create(None, None)
+        stage_dir = staging.new_stage_dir(config, "base", version)
+    except (staging.StagingRefused, staging.StagingDirError, OSError) as exc:
+        status = getattr(exc, "status", 500)
+        return {"ok": False, "kind": "staging", "status": status, "error": str(exc)}
+    markers = staging.marker_dir(stage_dir, engine)
+    res = base_updates.art_stage_base_update(self, token, plan, version, str(markers), digest)
+    return _keep(self, token, res, stage_dir, markers)
+
+
+def art_stage_ready_texts(self, token: str, ranks: list[int]) -> dict[int, str]:
+    """What each worker wrote in its ready marker of the relayed stage `token` (a stream:
+    the digest it received)."""
+    entry = engine_state(self).relayed.get(token)
+    if entry is None:
+        return {}
+    return {rank: staging.ready_text(entry[1], rank) for rank in ranks}
 
 
 def art_stage_markers(self, token: str, ranks: list[int]) -> tuple[list[int], dict[int, str]]:

@@ -5,6 +5,14 @@ two steps, put the previous weights back when told to.
   (the stage directory the API server wrote, in the served model's Hugging Face names) into
   host memory, then leave `ready.<rank>` / `failed.<rank>` in the marker directory
   (`art_vllm_plugin.staging`). Nothing the model uses is touched.
+- `stage` of a stream (the source is a transfer plan, `art_protocol.weight_transfer`): on the
+  same thread, receive the trainer's stream through the weight-transfer engine vLLM built
+  from `--weight-transfer-config`, retargeted at a host sink instead of the model
+  (`set_weight_update_target`), so any engine that delivers through `model.load_weights`
+  (vLLM's NCCL and IPC engines, `art_gloo` here) stages instead of writing live weights. The
+  ready marker carries the digest of what arrived, which the API server compares across
+  workers and with the request; a NaN, a tensor missing or a digest that does not match is a
+  refusal (`adapter` kind: 422).
 - `commit_locked`: between two steps, under the weights lock a forward also holds (a ride:
   `step_rides`), write the staged tensors into the model in place through vLLM's layerwise
   reload (`compat.reload_weights_in_place`: the model's own `load_weights`, then each layer's
@@ -17,18 +25,22 @@ two steps, put the previous weights back when told to.
 The undo is *where the previous weights can be read again*, not a copy of them: the served
 model's own files (read as vLLM loaded them) for the start weights, else the directory of the
 previous full-weight version, which the API server keeps while it is current
-(`api_server/base_updates.py`). Why not a copy of the parameters: on CPU (and for quantized
-models) the live tensors are processed forms (packed GEMM weights), which cannot be written
-back as they are; a reload from checkpoint-format tensors always can. Cost: a revert reads the
-previous weights again (a failure path only); a host copy of the update's tensors lives from
-its stage to its commit.
+(`api_server/base_updates.py`), else, when the current version came as a stream, the host
+tensors it was staged in, which the worker keeps while that version is current (the stream
+left no files anywhere: a host copy of the checkpoint per worker is the price). Why not a
+copy of the parameters: on CPU (and for quantized models) the live tensors are processed
+forms (packed GEMM weights), which cannot be written back as they are; a reload from
+checkpoint-format tensors always can. Cost: a revert reads the previous weights again (a
+failure path only); a host copy of the update's tensors lives from its stage to its commit.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 
 from art_protocol.checkpoint_layout import checkpoint_files
+from art_protocol.weights_digest import WeightsDigest
 from art_vllm_plugin import compat, staging
 from art_vllm_plugin.worker.stager import stage_in_background
 from art_vllm_plugin.worker.state import BaseUndo, StagedBase, worker_state
@@ -56,24 +68,114 @@ def _stage(worker, staged: StagedBase, stage_dir: str, marker_dir: str, rank: in
     staging.mark(marker_dir, rank, ok, message)
 
 
-def stage(worker, token: str, stage_dir: str, marker_dir: str) -> None:
-    """Start reading the update in `stage_dir`; the marker goes to `marker_dir`."""
+class _HostSink:
+    """Stands in for the model as a weight-transfer engine's target: keeps what arrives in
+    host memory and digests it."""
+
+    def __init__(self):
+        self.tensors: dict = {}
+        self.digest = WeightsDigest()
+
+    def load_weights(self, weights):
+        import torch
+
+        for name, tensor in weights:
+            # Device tensors (NCCL, IPC) live in buffers the engine reuses: copy to host. A
+            # CPU engine's tensors (art_gloo) are fresh per tensor and kept as they are.
+            kept = tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
+            kept = kept.contiguous()
+            data = kept.view(torch.uint8).numpy() if kept.numel() else b""
+            self.digest.update(name, str(kept.dtype), tuple(kept.shape), data)
+            self.tensors[name] = kept
+        return set(self.tensors)
+
+
+def _update_info(engine, plan: dict, digest: str | None) -> dict:
+    """The engine's update info for a plan: vLLM's (`names`, `dtype_names`, `shapes`), plus
+    `round` and `digest` where the engine's info takes them (`art_gloo`)."""
+    info = {"names": plan["names"], "dtype_names": plan["dtypes"], "shapes": plan["shapes"]}
+    fields = getattr(engine.update_info_cls, "__dataclass_fields__", {})
+    info.update({k: v for k, v in (("round", plan["round"]), ("digest", digest)) if k in fields})
+    return info
+
+
+def _problems(plan: dict, sink: _HostSink, digest: str | None) -> list[str]:
+    import torch
+
+    problems = [f"{name}: not received" for name in plan["names"] if name not in sink.tensors]
+    problems += [
+        f"{name}: holds NaN or infinite values"
+        for name, t in sink.tensors.items()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+    got = sink.digest.hexdigest()
+    if digest is not None and got != digest:
+        problems.append(f"the digest of what arrived ({got}) is not the request's {digest}")
+    return problems
+
+
+def _stage_stream(worker, staged: StagedBase, plan: dict, digest, marker_dir: str, rank: int):
+    engine = compat.worker_weight_transfer_engine(worker)
+    if engine is None:
+        staged.error = (
+            "this server has no weight-transfer engine: serve with --weight-transfer-config "
+            '(e.g. \'{"backend": "art_gloo"}\') to receive streamed full-weight updates'
+        )
+        staging.mark(marker_dir, rank, False, f"engine\n{staged.error}")
+        return
+    sink = _HostSink()
+    refused = None
+    try:
+        model_config = compat.worker_model_runner(worker).vllm_config.model_config
+        engine.set_weight_update_target(sink, model_config)
+        try:
+            engine.receive_weights(engine.parse_update_info(_update_info(engine, plan, digest)))
+        finally:
+            engine.reset_weight_update_target()
+        problems = _problems(plan, sink, digest)
+        if problems:
+            refused = "; ".join(problems)
+    except ValueError as exc:  # the stream broke its plan (`gloo_transfer.StreamRefused`)
+        refused = str(exc)
+    except BaseException as exc:  # the transport failed; the worker keeps serving
+        staged.error = f"{type(exc).__name__}: {exc}"
+        staging.mark(marker_dir, rank, False, f"engine\n{staged.error}")
+        return
+    if refused is not None:
+        staged.error = refused
+        staging.mark(marker_dir, rank, False, f"adapter\n{refused}")
+        return
+    staged.tensors = sink.tensors
+    staged.streamed = True
+    staging.mark(marker_dir, rank, True, json.dumps({"digest": sink.digest.hexdigest()}))
+
+
+def stage(worker, token: str, source, marker_dir: str, digest: str | None = None) -> None:
+    """Start staging the update: `source` is the stage directory (files), or a transfer plan
+    (`TransferPlan.to_json()`: a stream, checked against `digest` when given); the marker
+    goes to `marker_dir`."""
     rank = compat.worker_rank(worker)
     staged = worker_state(worker).staged_base[token] = StagedBase()
-    stage_in_background(
-        worker, functools.partial(_stage, worker, staged, stage_dir, marker_dir, rank)
-    )
+    if isinstance(source, dict):
+        job = functools.partial(_stage_stream, worker, staged, source, digest, marker_dir, rank)
+    else:
+        job = functools.partial(_stage, worker, staged, source, marker_dir, rank)
+    stage_in_background(worker, job)
 
 
-def _write_back(worker, source_dir: str | None) -> str | None:
-    """Write the weights of `source_dir` (None: the served model's files) in place; None, or
-    why that failed."""
+def _write_back(worker, undo: BaseUndo) -> str | None:
+    """Write the weights `undo` says the commit replaced back in place; None, or why that
+    failed."""
+    if undo.held is not None:
+        weights, where = iter(undo.held.items()), "the previous stream (held in host memory)"
+    elif undo.previous_dir is not None:
+        weights, where = read_dir(undo.previous_dir), undo.previous_dir
+    else:
+        weights, where = compat.served_weights(worker), "the served model's files"
     try:
-        weights = compat.served_weights(worker) if source_dir is None else read_dir(source_dir)
         compat.reload_weights_in_place(worker, weights)
         return None
     except Exception as exc:
-        where = source_dir or "the served model's files"
         return f"writing back the weights of {where} failed: {type(exc).__name__}: {exc}"
 
 
@@ -86,7 +188,7 @@ def commit_locked(worker, token: str, label: str | None, previous_dir: str | Non
     if staged is None or staged.tensors is None:
         error = (staged and staged.error) or "nothing staged for this update"
         return {"ok": False, "rank": rank, "error": error, "restored": True}
-    undo = BaseUndo(previous_dir, state.label)
+    undo = BaseUndo(previous_dir, state.label, state.held_base)
     try:
         compat.reload_weights_in_place(worker, iter(staged.tensors.items()))
         if state.fault == "commit":
@@ -97,10 +199,12 @@ def commit_locked(worker, token: str, label: str | None, previous_dir: str | Non
             "ok": False,
             "rank": rank,
             "error": f"{type(exc).__name__}: {exc}",
-            "restored": _write_back(worker, previous_dir) is None,
+            "restored": _write_back(worker, undo) is None,
         }
     if label is not None:
         state.label = label
+    # A streamed version can only be read again from here: keep its tensors while current.
+    state.held_base = staged.tensors if staged.streamed else None
     state.undo_base[token] = undo
     return {"ok": True, "rank": rank}
 
@@ -112,9 +216,10 @@ def rollback_locked(worker, token: str) -> dict:
     undo = state.undo_base.pop(token, None)
     if undo is None:
         return {"ok": True, "rank": rank, "restored": False}  # nothing was committed here
-    if (error := _write_back(worker, undo.previous_dir)) is not None:
+    if (error := _write_back(worker, undo)) is not None:
         return {"ok": False, "rank": rank, "error": error}
     state.label = undo.label
+    state.held_base = undo.held
     return {"ok": True, "rank": rank, "restored": True}
 
 

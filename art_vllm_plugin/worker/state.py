@@ -43,15 +43,18 @@ class StagedBase:
 
     tensors: dict | None = None  # HF name -> tensor, once staged
     error: str | None = None
+    streamed: bool = False  # came as a stream (no files to read it again from)
 
 
 @dataclass
 class BaseUndo:
     """What a full-weight commit replaced: where the previous weights can be read again
-    (None: the served model's own files) and the worker's label before it."""
+    (`held`: the host tensors of a streamed version, else `previous_dir`, else None: the
+    served model's own files) and the worker's label before it."""
 
     previous_dir: str | None
     label: str | None
+    held: dict | None = None
 
 
 @dataclass
@@ -61,6 +64,9 @@ class WorkerState:
     #: Full-weight updates staged, and the undo of those committed and not final (by token).
     staged_base: dict[str, StagedBase] = field(default_factory=dict)
     undo_base: dict[str, BaseUndo] = field(default_factory=dict)
+    #: The current base version's tensors when it came as a stream (its only copy to revert
+    #: to); None when it can be read from files.
+    held_base: dict | None = None
     #: Test-only fault armed by `art_test_inject_fault` ("commit" or "stage").
     fault: str | None = None
     #: Each updated slot's committed LoRAModel (by LoRA id): what vLLM's loader returns.

@@ -60,8 +60,8 @@ def run(worker, rides: list[tuple]) -> list[dict | None]:
                 _commit_everywhere(worker, token, commit, lora_slot_writer.rollback_locked)
             )
         elif kind == BASE_STAGE:
-            stage_dir, marker_dir = args
-            start = functools.partial(base_weights.stage, worker, token, stage_dir, marker_dir)
+            source, marker_dir, digest = args
+            start = functools.partial(base_weights.stage, worker, token, source, marker_dir, digest)
             _start_staging(worker, marker_dir, start)
             results.append(None)
         elif kind == BASE_COMMIT:

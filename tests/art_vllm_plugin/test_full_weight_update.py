@@ -36,34 +36,28 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from support.full_weights import (
+    LONG,
+    PROMPT,
+    ROUTE,
+    SHORT,
+    STEPS_BEFORE_UPDATE,
+    Server,
+    base_versions,
+    complete,
+    engine,
+    export,
+    hf_greedy,
+    prompt_ids,
+    tokens,
+    update,
+)
 from support.step_hold import update_after_steps
 
 from art_protocol.spans import validate_spans
 from art_protocol.weights_digest import digest_checkpoint
 
 pytestmark = [pytest.mark.serve, pytest.mark.changes_base_weights]
-
-PROMPT = "the policy model learns from the reward and the trainer sends its weights"
-ROUTE = "/art/v1/weights/update"
-SHORT = 12
-LONG = 48
-STEPS_BEFORE_UPDATE = 8
-
-
-class Server:
-    def __init__(self, shared, root: Path, model: Path):
-        self.shared, self.root, self.model = shared, root, model
-        self.next_version = 1
-
-    @property
-    def url(self) -> str:
-        return self.shared.url
-
-    def version(self) -> int:
-        v = self.next_version
-        self.next_version += 1
-        return v
 
 
 @pytest.fixture(scope="module")
@@ -74,85 +68,9 @@ def server(dp2_server, tiny_model):
     return Server(dp2_server, root, tiny_model)
 
 
-def export(server: Server, name: str, edit=None, noise: float = 0.0, seed: int = 0) -> Path:
-    """A trainer's export: the served checkpoint's tensors (with `noise` added, then `edit`
-    applied to the dict), in a model directory under the server's adapter root."""
-    out = server.root / "trainer" / name
-    shutil.copytree(server.model, out)
-    tensors = load_file(str(server.model / "model.safetensors"))
-    if noise:
-        g = torch.Generator().manual_seed(seed)
-        tensors = {
-            k: (v.float() + noise * torch.randn(v.shape, generator=g)).to(v.dtype)
-            for k, v in tensors.items()
-        }
-    if edit is not None:
-        edit(tensors)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
 @pytest.fixture(scope="module")
 def new_weights(server) -> Path:
     return export(server, "new", noise=0.05)
-
-
-def hf_greedy(model_dir: Path, prompt_ids: list[int], n: int) -> list[int]:
-    """Greedy tokens of Hugging Face transformers in float32 on `model_dir`."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
-    ids = torch.tensor([prompt_ids])
-    out = []
-    with torch.no_grad():
-        for _ in range(n):
-            nxt = int(model(ids).logits[0, -1].argmax())
-            out.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return out
-
-
-def complete(server, engine: int, model: str | None = None, max_tokens: int = SHORT, **kw) -> dict:
-    body = {
-        "model": model or str(server.model),
-        "prompt": kw.pop("prompt", PROMPT),
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        **kw,
-    }
-    resp = httpx.post(
-        server.url + "/v1/completions",
-        json=body,
-        headers={"X-data-parallel-rank": str(engine)},
-        timeout=300,
-    )
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def tokens(server, engine: int, **kw) -> list[int]:
-    return complete(server, engine, **kw)["choices"][0]["token_ids"]
-
-
-def prompt_ids(server) -> list[int]:
-    return complete(server, 0, max_tokens=1)["choices"][0]["prompt_token_ids"]
-
-
-def update(server, path: Path, version: int, **kw) -> httpx.Response:
-    body = {"path": str(path), "version": version, **kw}
-    return httpx.post(server.url + ROUTE, json=body, timeout=600)
-
-
-def engine(server, rank: int) -> dict:
-    resp = httpx.get(f"{server.url}/art/v1/engine", params={"engine": rank}, timeout=60)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def base_versions(server) -> list[int]:
-    return [engine(server, rank)["base_version"] for rank in (0, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -345,7 +263,8 @@ def test_an_unknown_state_blocks_every_request_until_a_clean_update(server, new_
         json={"model": str(server.model), "prompt": PROMPT, "max_tokens": 2},
         timeout=60,
     )
-    assert refused.status_code >= 500, refused.text
+    assert refused.status_code == 503, refused.text
+    assert "the base weights are blocked, every request is refused" in refused.text
     v = server.version()
     clean = update(server, new_weights, v)
     assert clean.status_code == 200, clean.text

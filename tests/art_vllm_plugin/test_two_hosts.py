@@ -13,7 +13,10 @@ directory as before.
 Checked: a path update from the trainer's directory is refused (403) and the push commits on
 both engines with a receipt from each; both serve the new adapter (greedy tokens equal the
 reference slot's); a stage that fails on engine 1 leaves both engines on the old version; no
-stage is left in either staging directory.
+stage is left in either staging directory. Full weights: a files update is refused (501:
+engine 1 cannot read the head's stage) and a streamed one (`art_gloo`, both processes run
+`--weight-transfer-config`) commits on both engines, engine 1 keeping its workers' markers on
+its own host; both then serve the new weights. That test runs last: it moves the base weights.
 
 The module starts its own pair of processes: the layout (two processes, two staging
 directories, no shared adapter root) is the subject of every test here.
@@ -27,9 +30,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file
 from support.adapters import copy_adapter
 from support.greedy import greedy_tokens as tokens
 
+from art_megatron_ext.weights import GlooWeightSender
 from art_protocol.client import ArtClient, ArtError
 from art_protocol.digest import digest_dir
 from art_vllm_plugin import serve_process
@@ -76,6 +82,7 @@ def two_hosts(tiny_model, tiny_adapters, tmp_path_factory, server_log):
         *("--data-parallel-size", "2", "--data-parallel-size-local", "1"),
         *("--data-parallel-address", "127.0.0.1"),
         *("--data-parallel-rpc-port", str(serve_process.free_port())),
+        *("--weight-transfer-config", '{"backend": "art_gloo"}'),
     )
     headless_config = _config(
         tiny_model,
@@ -173,4 +180,31 @@ def test_a_stage_that_fails_on_the_remote_engine_changes_no_engine(two_hosts, ti
     assert failed.value.status == 500, failed.value
     assert "engine 1 worker rank 0 failed to stage" in str(failed.value)
     assert engine_versions(two_hosts.url) == before
+    assert two_hosts.stages() == {0: [], 1: []}, "a stage was left behind"
+
+
+def test_full_weights_reach_the_remote_engine_as_a_stream(two_hosts, tiny_model):
+    model = str(tiny_model)
+    before = tokens(two_hosts.url, model)
+    relayed = two_hosts.engine(1)["relayed_stages"]
+    g = torch.Generator().manual_seed(5)
+    new = {
+        name: (t.float() + 0.05 * torch.randn(t.shape, generator=g)).to(t.dtype)
+        for name, t in load_file(str(tiny_model / "model.safetensors")).items()
+    }
+    plan = [(name, t.dtype, tuple(t.shape)) for name, t in new.items()]
+    with ArtClient(two_hosts.url, timeout=300) as art:
+        with pytest.raises(ArtError) as files:
+            art.update_weights(str(tiny_model), 1)
+        assert files.value.status == 501 and "stream the weights instead" in files.value.message
+        sender = GlooWeightSender.connect(art, workers=2, timeout_s=120)
+        try:
+            resp = sender.send(1, plan, lambda sink: [sink(n, t) for n, t in new.items()])
+        finally:
+            sender.close()
+    assert resp["version"] == 1 and sorted(r["engine"] for r in resp["receipts"]) == [0, 1]
+    assert [two_hosts.engine(rank)["base_version"] for rank in (0, 1)] == [1, 1]
+    assert two_hosts.engine(1)["relayed_stages"] == relayed + 1  # its markers, on its host
+    after = [tokens(two_hosts.url, model) for _ in range(4)]  # the engines take turns
+    assert after[0] != before and all(t == after[0] for t in after)
     assert two_hosts.stages() == {0: [], 1: []}, "a stage was left behind"

@@ -180,7 +180,8 @@ def tp_config(p: KindPaths, tp: int, log_path: Path | None = None):
 
 # -- dp2: two data-parallel engines, two API servers -------------------------------------------
 # float32, prompt token details and dev mode for test_full_weight_update (the last module on
-# it: it changes the base weights), whose greedy tokens are compared with Hugging Face's.
+# it: it changes the base weights), whose greedy tokens are compared with Hugging Face's;
+# the art_gloo weight-transfer engine for test_streamed_weight_update (also last).
 def _dp2_slots(p: KindPaths) -> dict[str, Path]:
     return _starts(p.start, p.tiny_adapters, {"policy": "a", "ref_b": "b"})
 
@@ -194,6 +195,7 @@ def _dp2(p: KindPaths):
             *tiny_lora_args(max_loras=2),
             *("--data-parallel-size", "2", "--dtype", "float32"),
             "--enable-prompt-tokens-details",
+            *("--weight-transfer-config", '{"backend": "art_gloo"}'),
             *("--max-cpu-loras", "3"),  # slots policy and ref_b, and one lease copy
             *_modules(_dp2_slots(p)),
             *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),

@@ -31,12 +31,14 @@ async def update_after_steps(
     client: httpx.AsyncClient,
     generation: Callable[[], Awaitable[Any]],
     steps: int,
-    update: dict,
+    update: dict | Callable[[], dict],
     headers: dict[str, str] | None = None,
     route: str = "/art/v1/lora/update",
 ) -> tuple[Any, dict, int]:
-    """Start `generation()`, publish `update` (a body for `route`: a LoRA update by default)
-    once engine 0 has completed `steps` steps more, and let the generation finish.
+    """Start `generation()`, publish `update` (a body for `route`: a LoRA update by default;
+    or a blocking callable that publishes and returns the response body, run on a thread: a
+    streamed full-weight update) once engine 0 has completed `steps` steps more, and let the
+    generation finish.
 
     Returns (the generation's result, the update's response body, the step count `s0` before
     the generation was sent).
@@ -52,12 +54,16 @@ async def update_after_steps(
                 pytest.fail(f"the generation ended before engine step {s0 + steps}")
             await asyncio.sleep(0.01)
         try:
-            upd = await client.post(route, json=update, headers=headers)
+            if callable(update):
+                body = await asyncio.to_thread(update)
+            else:
+                upd = await client.post(route, json=update, headers=headers)
+                assert upd.status_code == 200, upd.text
+                body = upd.json()
         finally:
             resumed = await client.post("/resume", headers=headers)
         assert resumed.status_code == 200, resumed.text
-        assert upd.status_code == 200, upd.text
-        return await task, upd.json(), s0
+        return await task, body, s0
     finally:
         if not task.done():
             task.cancel()

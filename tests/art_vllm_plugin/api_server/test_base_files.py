@@ -34,6 +34,7 @@ def test_the_stage_is_a_copy_with_a_marker_directory_per_engine(tmp_path):
     (tmp_path / "shm").mkdir()
     stage = base_files.write_stage(config, source, 3, [Engine(0, None), Engine(1, None)])
     assert sorted(p.name for p in stage.iterdir()) == [
+        staging.BASE_MARK,
         "markers-engine0",
         "markers-engine1",
         "model.safetensors",
@@ -76,3 +77,17 @@ def test_a_long_list_of_problems_is_cut_and_counted():
     err = base_files.WeightsRefused("x", [f"t{i}: bad" for i in range(25)])
     assert "t19: bad" in str(err) and "t20" not in str(err) and "and 5 more" in str(err)
     assert len(err.problems) == 25
+
+
+def test_a_final_update_removes_every_older_base_stage_whoever_wrote_it(tmp_path):
+    """Several API servers stage in one root; once version 5 is final, the stages of 3 and 4
+    (from any of them) go, 5's and a later one's stay, and a LoRA stage is not touched."""
+    source = checkpoint(tmp_path / "trainer", SERVED)
+    root = tmp_path / "shm"
+    root.mkdir()
+    config = staging.StagingConfig(root)
+    stages = {v: base_files.write_stage(config, source, v, [Engine(0, None)]) for v in (3, 4, 5, 6)}
+    lora = staging.new_stage_dir(config, "policy", 2)
+    removed = staging.remove_superseded_base(root, 5)
+    assert sorted(removed) == sorted([stages[3], stages[4]])
+    assert sorted(p for p in root.iterdir()) == sorted([stages[5], stages[6], lora])
