@@ -14,6 +14,10 @@ error"); here the API server says what happened instead:
   engine) is answered 503 with the reason if its slot is blocked (the registry is read again
   first), and a stream's error event likewise; any other error stays as vLLM made it.
 
+The base weights block like a slot (a full-weight update whose state is unknown,
+`api_server/base_updates.py`), and then every request is refused, whatever model it names:
+the same 503, naming the base weights' failed update.
+
 Called from the alias wrapper around vLLM's completion and chat handlers
 (`api_server/alias_requests.py`), which knows the slot a request runs on.
 """
@@ -30,10 +34,12 @@ logger = logging.getLogger("vllm.art_plugin.slots")
 
 
 async def reason(state, slot: str | None, after_error: bool = False) -> str | None:
-    """Why `slot` is blocked, None when it serves (or is no slot). Before a request: only with
-    a sole API server (else the engine decides); after an error: read from engine 0 again."""
+    """Why a request on `slot` (a slot, or any other model name: the base model) is refused,
+    None when it serves: its slot is blocked, or the base weights are. Before a request: only
+    with a sole API server (else the engine decides); after an error: read from engine 0
+    again."""
     view = state.slots
-    if slot is None or slot not in view.local:
+    if slot is None:
         return None
     if not after_error and not view.sole_api_server:
         return None
@@ -42,7 +48,9 @@ async def reason(state, slot: str | None, after_error: bool = False) -> str | No
     except Exception as exc:  # an engine that cannot answer: vLLM's own answer stands
         logger.warning("art: could not read the slot registry for %s: %s", slot, exc)
         return None
-    current = view.slots.get(slot)
+    if why := view.base.get("blocked"):
+        return f"the base weights are blocked, every request is refused: {why}"
+    current = view.slots.get(slot) if slot in view.local else None
     return current.blocked if current is not None else None
 
 
