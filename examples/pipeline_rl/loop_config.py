@@ -49,6 +49,10 @@ class LoopConfig:
     #: full-weight updates (`/art/v1/weights/update`), rollouts on the base model
     update: str = "lora"
     full_lr: float = 2e-3  # Adam's learning rate when every weight trains (`update="full"`)
+    #: How full-weight versions travel: "files" (RUN_DIR/weights/v<N>, read by the server) or
+    #: "gloo" (streamed to the server's workers over the art_gloo weight-transfer group; the
+    #: server reads nothing of RUN_DIR)
+    transport: str = "files"
 
     def __post_init__(self) -> None:
         if self.update not in ("lora", "full"):
@@ -58,6 +62,10 @@ class LoopConfig:
                 "--push sends a LoRA adapter's files; full-weight updates go by path "
                 "(RUN_DIR/weights/v<N>, under the server's --art-adapter-root)"
             )
+        if self.transport not in ("files", "gloo"):
+            raise ValueError(f"transport must be 'files' or 'gloo', got {self.transport!r}")
+        if self.transport == "gloo" and self.update != "full":
+            raise ValueError("--transport gloo streams full weights: it needs --update full")
         if self.attention not in ("tree", "dense"):
             raise ValueError(f"attention must be 'tree' or 'dense', got {self.attention!r}")
         if self.steps < 1 or self.group_size < 2 or self.dp < 1:
@@ -85,6 +93,10 @@ class LoopConfig:
     @property
     def full(self) -> bool:
         return self.update == "full"
+
+    @property
+    def streamed(self) -> bool:
+        return self.transport == "gloo"
 
     @property
     def model_name(self) -> str:

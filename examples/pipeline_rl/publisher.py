@@ -14,7 +14,10 @@ With `--update full` every rank takes part in the full-weight export instead: ea
 deferred parameter all-gather (`start_param_sync(force_sync=True)`, as Megatron does before a
 checkpoint), rank 0 writes RUN_DIR/weights/v<N> a layer a shard (`write_hf_checkpoint`), and
 publishes it as the server's new base weights (`ArtClient.update_weights`, the digest of what
-it wrote included).
+it wrote included). With `--transport gloo` nothing is written: rank 0 takes a host copy of the
+weights in the served model's names (`stream_hf_weights`, a layer at a time) and streams it to
+the server's workers on the background thread (`GlooWeightSender`, connected on the first
+publish), so the server needs no access to the trainer's files.
 """
 
 from __future__ import annotations
@@ -35,6 +38,20 @@ class FullReady:
     digest: str
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamReady:
+    """A full-weight export in host memory (`--update full --transport gloo`): HF name ->
+    tensor, a copy the next step's training does not touch."""
+
+    tensors: dict
+    version: int
+    digest: str
+
+
+#: Workers of the example's server (one engine, one worker): every one joins the group.
+SERVER_WORKERS = 1
+
+
 class Publisher:
     def __init__(self, url: str | None, cfg: LoopConfig, shape=None):
         """`url`: the server's, on rank 0; None on the other ranks (they only export).
@@ -45,7 +62,9 @@ class Publisher:
         self.shape = shape
         self._background = None
         if url is not None:
-            if cfg.full:
+            if cfg.streamed:
+                self._post = self._streamer(url)
+            elif cfg.full:
                 self._post = self._full_poster(url)
             else:
                 self._post = self._pusher(url) if cfg.push else post_update(url)
@@ -78,6 +97,46 @@ class Publisher:
 
         return post
 
+    @staticmethod
+    def _streamer(url: str):
+        """Streams each version over the art_gloo group, opened on the first publish."""
+        from art_megatron_ext.weights import GlooWeightSender
+        from art_protocol.client import ArtClient
+
+        art = ArtClient(url, timeout=300)
+        sender = None
+
+        def stream(ready: StreamReady) -> dict:
+            nonlocal sender
+            if sender is None:
+                sender = GlooWeightSender.connect(art, workers=SERVER_WORKERS, timeout_s=300)
+            plan = [(name, t.dtype, tuple(t.shape)) for name, t in ready.tensors.items()]
+
+            def produce(sink) -> None:
+                for name, tensor in ready.tensors.items():
+                    sink(name, tensor)
+
+            return sender.send(ready.version, plan, produce, digest=ready.digest)
+
+        return stream
+
+    def _snapshot_full(self, ddp, version: int) -> StreamReady:
+        """Collective as `_export_full`; rank 0 keeps a host copy instead of writing files."""
+        import torch
+
+        from art_megatron_ext.weights import stream_hf_weights
+
+        ddp.start_param_sync(force_sync=True)
+        lead = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        tensors: dict = {}
+        receipt = stream_hf_weights(
+            ddp.module,
+            self.shape,
+            lambda name, t: tensors.__setitem__(name, t.detach().to("cpu", copy=True)),
+            send=lead,
+        )
+        return StreamReady(tensors, version, receipt.digest)
+
     def _export_full(self, ddp, version: int) -> FullReady:
         """Collective: every rank finishes the parameter all-gather and streams; rank 0 writes."""
         import torch
@@ -91,7 +150,8 @@ class Publisher:
         return FullReady(out, version, receipt.digest)
 
     def _publish(self, ready) -> dict:
-        if not isinstance(ready, FullReady) and self.cfg.publish_slot != ready.slot:
+        full = isinstance(ready, FullReady | StreamReady)
+        if not full and self.cfg.publish_slot != ready.slot:
             # the broken-loop test's wrong slot
             ready = dataclasses.replace(ready, slot=self.cfg.publish_slot)
         receipt = self._post(ready)
@@ -103,7 +163,9 @@ class Publisher:
         """Collective: export `version` (every rank), publish it in the background (rank 0)."""
         from art_megatron_ext.lora.publish_ready import export_ready
 
-        if self.cfg.full:
+        if self.cfg.streamed:
+            ready = self._snapshot_full(model, version)
+        elif self.cfg.full:
             ready = self._export_full(model, version)
         else:
             ready = export_ready(

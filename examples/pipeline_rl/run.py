@@ -98,12 +98,17 @@ def float32_copy(model: Path, out: Path) -> Path:
 
 
 def full_server_args(cfg: LoopConfig) -> list[str]:
-    """`--update full`: the base model alone (no LoRA), exports read from RUN_DIR/weights."""
+    """`--update full`: the base model alone (no LoRA), exports read from RUN_DIR/weights, or
+    with `--transport gloo` streamed by the trainer (the server may not read RUN_DIR)."""
+    if cfg.streamed:
+        source = ("--weight-transfer-config", json.dumps({"backend": "art_gloo"}))
+    else:
+        source = ("--art-adapter-root", cfg.run_dir)
     return [
         *("--dtype", cfg.server_dtype, "--max-model-len", "512"),
         *("--gpu-memory-utilization", "0.2", "--max-num-seqs", "64"),
         *serve_process.ALLOW_UNAUTHENTICATED,
-        *("--art-adapter-root", cfg.run_dir),
+        *source,
         *("--logprobs-mode", "processed_logprobs"),
     ]
 

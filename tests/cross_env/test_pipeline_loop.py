@@ -133,15 +133,17 @@ def wrong_slot(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory):
-    """`--update full`: every weight of the tiny model trains and each version is published as
-    a full-weight update (`/art/v1/weights/update`), rollouts on the base model; its server on
-    the V1 runner as `good` (the update route on the suite's runner is
-    tests/art_vllm_plugin/test_full_weight_update.py). 20 steps: full weights learn the task
-    faster than the LoRA slot (observed 0.03 -> 0.74 by step 20, 0.98 by step 30)."""
+    """`--update full --transport gloo`: every weight of the tiny model trains and each
+    version is streamed to the server's worker (the art_gloo weight-transfer engine, no files:
+    the server may not read the run directory) and published as a full-weight update, rollouts
+    on the base model; its server on the V1 runner as `good` (the update route on the suite's
+    runner is tests/art_vllm_plugin/test_full_weight_update.py and
+    test_streamed_weight_update.py). 20 steps: full weights learn the task faster than the
+    LoRA slot (observed 0.03 -> 0.74 by step 20, 0.98 by step 30)."""
     proc, out = run_loop(
         tmp_path_factory.mktemp("loop_full") / "run",
         FULL_STEPS,
-        *("--update", "full"),
+        *("--update", "full", "--transport", "gloo"),
         env=v1_runner_env(),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -259,6 +261,7 @@ def test_full_weight_updates_learn_with_base_versions_in_every_span(full):
     assert reward_rose(records), [round(r["reward"], 3) for r in records]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["updates_published"] == FULL_STEPS and summary["dp"] == 2
+    assert not (out / "weights").exists(), "streamed versions leave no files"
     for r in records:
         assert r["span_tokens"] == r["completion_tokens"] > 0
         assert r["accepted_tokens"] + r["untrained_stale_tokens"] == r["completion_tokens"]
