@@ -17,8 +17,13 @@ tiny model's tokenizer):
 4. generation throughput with a full update every `--every` seconds against the same load with
    no updates (phases interleaved over the rounds).
 
+`--transport gloo` streams each version from this process (the trainer) over the `art_gloo`
+weight-transfer group instead of naming a directory (`GlooWeightSender`; the server runs
+`--weight-transfer-config '{"backend": "art_gloo"}'`): end to end is then the request plus
+the stream, and no stage is copied or read from disk.
+
 Usage: .venv-serve/bin/python bench/full_weight_update.py [--runner v1|v2] [--seconds 6]
-       [--rounds 2] [--updates 12] [--every 1.0]
+       [--rounds 2] [--updates 12] [--every 1.0] [--transport files|gloo]
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ def exports(model: Path, name: str, count: int) -> list[Path]:
     return out
 
 
-def config(model: Path, runner: str) -> serve_process.ServeConfig:
+def config(model: Path, runner: str, transport: str = "files") -> serve_process.ServeConfig:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from support.model_runner import server_env
 
@@ -93,6 +98,11 @@ def config(model: Path, runner: str) -> serve_process.ServeConfig:
             *("--dtype", "bfloat16", "--max-model-len", "512", "--gpu-memory-utilization", "0.2"),
             *("--art-adapter-root", str(ROOT.resolve())),
             *serve_process.ALLOW_UNAUTHENTICATED,
+            *(
+                ("--weight-transfer-config", '{"backend": "art_gloo"}')
+                if transport == "gloo"
+                else ()
+            ),
         ),
         env=server_env(runner),
         log_path=Path(f".cache/logs/bench-full-weights-{model.parent.name}-{runner}.log"),
@@ -119,6 +129,33 @@ class Updater:
         )
         self.http_ms.append((time.perf_counter() - t0) * 1000)
         resp.raise_for_status()
+
+
+class StreamUpdater(Updater):
+    """Streams the exports' tensors in turn (`--transport gloo`), from memory."""
+
+    def __init__(self, paths: list[Path], url: str):
+        from safetensors.torch import load_file
+
+        super().__init__(paths)
+        self.tensors = [load_file(str(p / "model.safetensors")) for p in paths]
+        self.url, self.sender = url, None
+
+    def _send(self, version: int) -> None:
+        from art_megatron_ext.weights import GlooWeightSender
+        from art_protocol.client import ArtClient
+
+        if self.sender is None:
+            self.sender = GlooWeightSender.connect(ArtClient(self.url, timeout=600), workers=1)
+        tensors = self.tensors[version % len(self.tensors)]
+        plan = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+        self.sender.send(version, plan, lambda sink: [sink(n, t) for n, t in tensors.items()])
+
+    async def __call__(self, http: httpx.AsyncClient) -> None:
+        self.version += 1
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self._send, self.version)
+        self.http_ms.append((time.perf_counter() - t0) * 1000)
 
 
 async def phase(url: str, model: str, seconds: float, clients: int, every, update) -> float:
@@ -165,11 +202,11 @@ def run_model(name: str, model: Path, args) -> dict:
     paths = exports(model, name, 3)
     size = (model / "model.safetensors").stat().st_size
     t0 = time.monotonic()
-    server = serve_process.start(config(model, args.runner))
+    server = serve_process.start(config(model, args.runner, args.transport))
     restart_s = time.monotonic() - t0
     try:
         served = str(model.resolve())
-        update = Updater(paths)
+        update = StreamUpdater(paths, server.url) if args.transport == "gloo" else Updater(paths)
         stall, commit, step = asyncio.run(
             stalls(server.url, served, args.updates, args.clients, update)
         )
@@ -204,9 +241,11 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=12)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--every", type=float, default=1.0)
+    parser.add_argument("--transport", default="files", choices=("files", "gloo"))
     args = parser.parse_args()
     rows = [run_model("tiny", TINY, args), run_model("large", large_model(), args)]
     print(
+        f"transport {args.transport}\n"
         "| model | bytes | stall p50 / p99 ms (commit p50) | mean step ms | update e2e p50 ms | "
         "restart s (baseline) | restart / update | throughput with updates / none |"
     )
