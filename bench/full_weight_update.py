@@ -39,6 +39,9 @@ from pathlib import Path
 import httpx
 from completion_load import generate_until
 
+# (imported before `config` puts tests/ on sys.path: its art_megatron_ext/ would shadow ours)
+from art_megatron_ext.weights import GlooWeightSender
+from art_protocol.client import ArtClient
 from art_vllm_plugin import serve_process
 
 TINY = Path(".cache/tiny/model")
@@ -142,9 +145,6 @@ class StreamUpdater(Updater):
         self.url, self.sender = url, None
 
     def _send(self, version: int) -> None:
-        from art_megatron_ext.weights import GlooWeightSender
-        from art_protocol.client import ArtClient
-
         if self.sender is None:
             self.sender = GlooWeightSender.connect(ArtClient(self.url, timeout=600), workers=1)
         tensors = self.tensors[version % len(self.tensors)]
