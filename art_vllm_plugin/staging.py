@@ -282,18 +282,23 @@ def fill_stage(
     return stage_dir
 
 
+def _entries(root: str | Path, what: str) -> list[os.DirEntry]:
+    """The entries of `root`, or none (with a warning naming `what` is left) if it cannot be
+    listed: removing leftovers never fails the caller."""
+    try:
+        return list(os.scandir(root))
+    except OSError as exc:
+        logger.warning("art: cannot list %s to remove %s: %s", root, what, exc)
+        return []
+
+
 def sweep(root: str | Path, prefix: str = PREFIX) -> list[Path]:
     """Remove what crashed processes left in `root`: entries named `prefix<owner>-...`, owned
     by this uid, from this PID namespace, whose owner process is gone. Returns them."""
     root = Path(root)
     uid = os.getuid()
     removed = []
-    try:
-        entries = list(os.scandir(root))
-    except OSError as exc:
-        logger.warning("art: cannot list %s to remove stale stages: %s", root, exc)
-        return removed
-    for entry in entries:
+    for entry in _entries(root, "stale stages"):
         owner = Owner.parse(entry.name, prefix)
         if owner is None or not owner.ours_to_judge() or owner.alive():
             continue
@@ -365,12 +370,7 @@ def remove_superseded_base(root: str | Path, version: int) -> list[Path]:
     """Remove every full-weight stage in `root` (any owner: every API server of one server
     stages there) that holds a base version older than `version`; returns them."""
     removed = []
-    try:
-        entries = list(os.scandir(root))
-    except OSError as exc:
-        logger.warning("art: cannot list %s to remove superseded stages: %s", root, exc)
-        return removed
-    for entry in entries:
+    for entry in _entries(root, "superseded stages"):
         if not entry.name.startswith(PREFIX):
             continue
         try:

@@ -157,11 +157,9 @@ class BaseUpdater:
             ) from exc
         fingerprint = req.fingerprint() if req.operation_id is not None else None
         async with self._lock:
-            admitted = await self.coordinator.reserve(req, token, fingerprint)
+            admitted = await self.coordinator.admit(req, token, fingerprint)
             if not admitted["ok"]:
-                if admitted["kind"] == "replay":
-                    return {**admitted["response"], "replayed": True}
-                raise UpdateError(409, f"{admitted['error']}; nothing changed")
+                return admitted["replayed"]
             current = admitted["version"]
             keeps = f"the base weights keep serving version {current}"
             source = f"the full weights at {resolved}"
@@ -204,11 +202,9 @@ class BaseUpdater:
         if req.operation_id is None:
             fingerprint = None
         async with self._lock:
-            admitted = await self.coordinator.reserve(req, token, fingerprint)
+            admitted = await self.coordinator.admit(req, token, fingerprint)
             if not admitted["ok"]:
-                if admitted["kind"] == "replay":
-                    return {**admitted["response"], "replayed": True}
-                raise UpdateError(409, f"{admitted['error']}; nothing changed")
+                return admitted["replayed"]
             keeps = f"the base weights keep serving version {admitted['version']}"
             try:
                 stage_dir = await asyncio.to_thread(

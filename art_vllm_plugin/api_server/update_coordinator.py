@@ -191,6 +191,17 @@ class UpdateCoordinator:
                 )
             await asyncio.sleep(_RESERVE_POLL_S)
 
+    async def admit(self, req: UpdateRequest, token: str, fingerprint: str | None) -> dict:
+        """`reserve` with its refusals raised (404 for an unknown slot, 409 otherwise; nothing
+        changed). Not ok means a replayed operation: its earlier answer is in `replayed`."""
+        admitted = await self.reserve(req, token, fingerprint)
+        if admitted["ok"]:
+            return admitted
+        if admitted["kind"] == "replay":
+            return {**admitted, "replayed": {**admitted["response"], "replayed": True}}
+        status = 404 if admitted["kind"] == "unknown" else 409
+        raise UpdateError(status, f"{admitted['error']}; nothing changed")
+
     async def publish_failed(
         self, exc: slot_publish.PublishError, req: UpdateRequest, refused: str
     ) -> UpdateError:
@@ -280,12 +291,9 @@ class UpdateCoordinator:
             source = "the pushed adapter"
         fingerprint = req.fingerprint(content) if req.operation_id is not None else None
         async with self._locks.setdefault(name, asyncio.Lock()):
-            admitted = await self.reserve(req, token, fingerprint)
+            admitted = await self.admit(req, token, fingerprint)
             if not admitted["ok"]:
-                if admitted["kind"] == "replay":
-                    return {**admitted["response"], "replayed": True}
-                status = 404 if admitted["kind"] == "unknown" else 409
-                raise UpdateError(status, f"{admitted['error']}; nothing changed")
+                return admitted["replayed"]
             current = admitted["version"]
             keeps = f"slot {name!r} keeps serving version {current}"
             try:
