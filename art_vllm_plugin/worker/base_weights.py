@@ -6,7 +6,8 @@ two steps, put the previous weights back when told to.
   host memory, then leave `ready.<rank>` / `failed.<rank>` in the marker directory
   (`art_vllm_plugin.staging`). Nothing the model uses is touched.
 - `stage` of a stream (the source is a transfer plan, `art_protocol.weight_transfer`): on the
-  same thread, receive the trainer's stream through the weight-transfer engine vLLM built
+  worker's stream-receiving thread (a lane of its own: LoRA stages never wait behind a
+  trainer's stream), receive the trainer's stream through the weight-transfer engine vLLM built
   from `--weight-transfer-config`, retargeted at a host sink instead of the model
   (`set_weight_update_target`), so any engine that delivers through `model.load_weights`
   (vLLM's NCCL and IPC engines, `art_gloo` here) stages instead of writing live weights. The
@@ -42,7 +43,7 @@ import json
 from art_protocol.checkpoint_layout import checkpoint_files
 from art_protocol.weights_digest import WeightsDigest
 from art_vllm_plugin import compat, staging
-from art_vllm_plugin.worker.stager import stage_in_background
+from art_vllm_plugin.worker.stager import STREAM, stage_in_background
 from art_vllm_plugin.worker.state import BaseUndo, StagedBase, worker_state
 
 
@@ -158,9 +159,10 @@ def stage(worker, token: str, source, marker_dir: str, digest: str | None = None
     staged = worker_state(worker).staged_base[token] = StagedBase()
     if isinstance(source, dict):
         job = functools.partial(_stage_stream, worker, staged, source, digest, marker_dir, rank)
+        stage_in_background(worker, job, STREAM)
     else:
         job = functools.partial(_stage, worker, staged, source, marker_dir, rank)
-    stage_in_background(worker, job)
+        stage_in_background(worker, job)
 
 
 def _write_back(worker, undo: BaseUndo) -> str | None:

@@ -1,10 +1,15 @@
-"""The worker's one staging thread: LoRA and full-weight stages run there, off the step loop.
+"""The worker's staging threads: LoRA and full-weight stages run there, off the step loop.
 
-Why one thread fed through a queue, not a thread per update: `Thread.start()` blocks the
-caller until the new thread runs, and the new thread then holds the GIL for up to the switch
+Why a thread fed through a queue, not a thread per update: `Thread.start()` blocks the caller
+until the new thread runs, and the new thread then holds the GIL for up to the switch
 interval (5 ms) while it reads the update: the stage call, and so the engine's step loop,
-would wait for it. A `put` on a queue returns at once. Stages run one after another, in the
-order they were asked for.
+would wait for it. A `put` on a queue returns at once. Stages of one lane run one after
+another, in the order they were asked for.
+
+Two lanes: `FILES` reads stages from disk (LoRA and full-weight files), `STREAM` receives a
+full-weight stream. A stream waits on the trainer for as long as it sends (or until its group
+times out when the trainer died): on the files lane it would hold every LoRA update of the
+server behind it.
 """
 
 from __future__ import annotations
@@ -15,18 +20,21 @@ from collections.abc import Callable
 
 from art_vllm_plugin.worker.state import worker_state
 
+FILES = "stager"
+STREAM = "stream-receiver"
 
-def stage_in_background(worker, job: Callable[[], None]) -> None:
-    """Run `job` on the worker's staging thread (started on first use). `job` must not
+
+def stage_in_background(worker, job: Callable[[], None], lane: str = FILES) -> None:
+    """Run `job` on the worker's thread for `lane` (started on first use). `job` must not
     raise: it reports its outcome itself (a marker)."""
-    state = worker_state(worker)
-    jobs = state.stage_jobs
+    lanes = worker_state(worker).stage_jobs
+    jobs = lanes.get(lane)
     if jobs is None:
-        jobs = state.stage_jobs = queue.SimpleQueue()
+        jobs = lanes[lane] = queue.SimpleQueue()
 
         def run():
             while True:
                 jobs.get()()
 
-        threading.Thread(target=run, name="art-stager", daemon=True).start()
+        threading.Thread(target=run, name=f"art-{lane}", daemon=True).start()
     jobs.put(job)

@@ -71,8 +71,8 @@ class WorkerState:
     fault: str | None = None
     #: Each updated slot's committed LoRAModel (by LoRA id): what vLLM's loader returns.
     committed: dict[int, Any] = field(default_factory=dict)
-    #: The one staging thread's job queue, once started.
-    stage_jobs: queue.SimpleQueue | None = None
+    #: The job queue of each staging lane whose thread started (`stager`).
+    stage_jobs: dict[str, queue.SimpleQueue] = field(default_factory=dict)
     #: Route capture of this worker's V1 runner (`--art-routes`), once its model is loaded.
     routes: Any = None
     #: Held by a forward and by a slot swap: neither runs inside the other (`forward_labels`).

@@ -21,7 +21,9 @@ Checked:
   received, and the engines keep the old weights;
 - a stale version is refused (409) before anything is sent;
 - a files update after a streamed one whose commit fails on engine 1 puts engine 0 back on
-  the streamed weights (which only the workers' host memory holds).
+  the streamed weights (which only the workers' host memory holds);
+- a LoRA update of a slot stages and commits on both engines while every worker waits for a
+  stream's bytes (the stream has a receiving thread of its own).
 
 Runs after every other module of the server (`changes_base_weights`): it moves the base
 weights, as test_full_weight_update does.
@@ -30,6 +32,8 @@ weights, as test_full_weight_update does.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import httpx
 import pytest
@@ -202,3 +206,36 @@ def test_a_failed_files_update_reverts_engine_0_to_the_streamed_weights(server, 
     assert "engines [0] reverted" in resp.json()["error"]["message"]
     assert base_versions(server) == [v, v]
     assert [tokens(server, rank) for rank in (0, 1)] == held
+
+
+def test_a_lora_update_goes_through_while_the_workers_wait_for_a_stream(
+    server, sender, tiny_adapters
+):
+    before = base_versions(server)
+    v = server.version()
+    weights = tensors_of(export(server, "beside-lora", noise=0.05, seed=15))
+    seen = {}
+    pool = ThreadPoolExecutor(1)
+
+    def produce(sink):
+        # every worker is receiving now (the sender waited for their ready keys)
+        with ArtClient(server.url, timeout=120) as art:
+            slot_version = art.latest_versions()["policy"]
+            lora = pool.submit(art.update, "policy", str(tiny_adapters / "b"), slot_version + 1)
+            try:
+                seen["lora"] = lora.result(timeout=60)
+            except FutureTimeout:
+                seen["lora"] = None  # held behind the stream: send it, so both finish
+            seen["slot_version"], seen["base"] = slot_version, base_versions(server)
+        for name in sorted(weights):
+            sink(name, weights[name])
+
+    try:
+        resp = sender.send(v, plan_of(weights), produce)
+    finally:
+        pool.shutdown(wait=True)
+    assert seen["lora"] is not None, "the LoRA update waited for the stream"
+    assert seen["lora"]["version"] == seen["slot_version"] + 1
+    assert sorted(r["engine"] for r in seen["lora"]["receipts"]) == [0, 1]
+    assert seen["base"] == before  # committed while the stream was still to come
+    assert resp["version"] == v and base_versions(server) == [v, v]
