@@ -1,6 +1,6 @@
 """Installed but not selected changes nothing, on a real `vllm serve`.
 
-Two servers with the same flags (`--disable-log-stats` included), started one after the other:
+Two servers with the same flags (`--disable-log-stats` included), started side by side:
 
 - *installed*: `VLLM_PLUGINS` unset, as a user who installed art-pipeline and did not pass
   `--plugin art` has it (vLLM then loads every installed plugin of every group);
@@ -16,6 +16,7 @@ point made it warn "Found endpoint plugin(s) ['art'] ...".)
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import entry_points
 
 import httpx
@@ -81,14 +82,19 @@ def _observe(tiny_model, tiny_adapters, log_path, env) -> dict:
 
 @pytest.fixture(scope="module")
 def observed(tiny_model, tiny_adapters, tmp_path_factory):
-    """Two servers of their own, one after the other: what they load at start is the subject
-    (a shared server always has the plugin selected)."""
+    """Two servers of their own (what they load at start is the subject: a shared server always
+    has the plugin selected), started at the same time: each mostly waits on its own start."""
     logs = tmp_path_factory.mktemp("not-selected")
-    installed = _observe(tiny_model, tiny_adapters, logs / "installed.log", {})
-    baseline = _observe(
-        tiny_model, tiny_adapters, logs / "baseline.log", {"VLLM_PLUGINS": _other_plugins()}
-    )
-    return installed, baseline
+    with ThreadPoolExecutor(2) as pool:
+        installed = pool.submit(_observe, tiny_model, tiny_adapters, logs / "installed.log", {})
+        baseline = pool.submit(
+            _observe,
+            tiny_model,
+            tiny_adapters,
+            logs / "baseline.log",
+            {"VLLM_PLUGINS": _other_plugins()},
+        )
+        return installed.result(), baseline.result()
 
 
 def test_same_metrics_families(observed):
