@@ -28,7 +28,6 @@ spans would assume, so this module runs after every other module of that server
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import uuid
 from pathlib import Path
@@ -47,12 +46,12 @@ from support.full_weights import (
     complete,
     engine,
     export,
+    generate_across_update,
     hf_greedy,
     prompt_ids,
     tokens,
     update,
 )
-from support.step_hold import update_after_steps
 
 from art_protocol.spans import validate_spans
 from art_protocol.weights_digest import digest_checkpoint
@@ -96,28 +95,8 @@ def test_an_update_mid_generation_switches_the_base_version_on_both_engines(
     assert start[0] == start[1]
     for rank in (0, 1):  # the served weights are the checkpoint's, on both engines
         assert tokens(server, rank) == refs["old"][:SHORT]
-    body = {
-        "model": str(server.model),
-        "prompt": PROMPT,
-        "max_tokens": LONG,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
     version = server.version()
-
-    async def run():
-        pin = {"X-data-parallel-rank": "0"}
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-            return await update_after_steps(
-                client,
-                lambda: client.post("/v1/completions", json=body, headers=pin),
-                STEPS_BEFORE_UPDATE,
-                {"path": str(new_weights), "version": version},
-                route=ROUTE,
-            )
-
-    resp, upd, s0 = asyncio.run(run())
+    resp, upd, s0 = generate_across_update(server, {"path": str(new_weights), "version": version})
     assert resp.status_code == 200, resp.text
     choice = resp.json()["choices"][0]
     got = choice["token_ids"]

@@ -31,7 +31,6 @@ weights, as test_full_weight_update does.
 
 from __future__ import annotations
 
-import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -41,18 +40,17 @@ import torch
 from safetensors.torch import load_file
 from support.full_weights import (
     LONG,
-    PROMPT,
     SHORT,
     STEPS_BEFORE_UPDATE,
     Server,
     base_versions,
     export,
+    generate_across_update,
     hf_greedy,
     prompt_ids,
     tokens,
     update,
 )
-from support.step_hold import update_after_steps
 
 from art_megatron_ext.weights import GlooWeightSender
 from art_protocol.client import ArtClient, ArtError
@@ -106,28 +104,9 @@ def test_a_streamed_update_mid_generation_switches_both_engines(server, sender):
     ids = prompt_ids(server)
     old = tokens(server, 0, max_tokens=LONG)
     new_ref = hf_greedy(new_dir, ids, SHORT)
-    body = {
-        "model": str(server.model),
-        "prompt": PROMPT,
-        "max_tokens": LONG,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
     version = server.version()
     new = tensors_of(new_dir)
-
-    async def run():
-        pin = {"X-data-parallel-rank": "0"}
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-            return await update_after_steps(
-                client,
-                lambda: client.post("/v1/completions", json=body, headers=pin),
-                STEPS_BEFORE_UPDATE,
-                lambda: stream(sender, version, new),
-            )
-
-    resp, upd, s0 = asyncio.run(run())
+    resp, upd, s0 = generate_across_update(server, lambda: stream(sender, version, new))
     assert resp.status_code == 200, resp.text
     choice = resp.json()["choices"][0]
     spans = validate_spans(choice, LONG, latest_version=0, latest_base_version=version)

@@ -5,12 +5,15 @@ completions pinned to an engine, each engine's base version."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
 import httpx
 import torch
 from safetensors.torch import load_file, save_file
+
+from support.step_hold import update_after_steps
 
 PROMPT = "the policy model learns from the reward and the trainer sends its weights"
 ROUTE = "/art/v1/weights/update"
@@ -113,3 +116,30 @@ def engine(server, rank: int) -> dict:
 
 def base_versions(server) -> list[int]:
     return [engine(server, rank)["base_version"] for rank in (0, 1)]
+
+
+def generate_across_update(server, update) -> tuple[httpx.Response, dict, int]:
+    """A greedy completion of LONG tokens on engine 0 with `update` (a body for ROUTE, or a
+    blocking callable that publishes: a stream) landing after STEPS_BEFORE_UPDATE of its
+    steps: (the completion's response, the update's answer, the step count before it)."""
+    body = {
+        "model": str(server.model),
+        "prompt": PROMPT,
+        "max_tokens": LONG,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+    async def run():
+        pin = {"X-data-parallel-rank": "0"}
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+            return await update_after_steps(
+                client,
+                lambda: client.post("/v1/completions", json=body, headers=pin),
+                STEPS_BEFORE_UPDATE,
+                update,
+                route=ROUTE,
+            )
+
+    return asyncio.run(run())
