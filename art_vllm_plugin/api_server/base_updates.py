@@ -113,7 +113,11 @@ class BaseUpdater:
                 "weights are unchanged",
             )
         workers = sum(r["workers"] for r in results)
-        return {"engines": len(self.engines), "workers": workers, "ms": _ms(t0)}
+        return {
+            "engines": len(self.engines),
+            "workers": workers,
+            "ms": (time.perf_counter() - t0) * 1e3,
+        }
 
     async def _update(self, run, req: UpdateRequest) -> dict:
         token = uuid.uuid4().hex
@@ -337,7 +341,3 @@ def _stream_call(e: slot_publish.Engine, token: str, plan: TransferPlan, req, st
         return ("art_stage_base_relayed", token, plan.to_json(), req.version, req.digest, e.dp_rank)
     markers = str(staging.marker_dir(stage_dir, e.dp_rank))
     return ("art_stage_base_update", token, plan.to_json(), req.version, markers, req.digest)
-
-
-def _ms(t0: float) -> float:
-    return (time.perf_counter() - t0) * 1e3

@@ -68,8 +68,8 @@ def art_init_weight_transfer(self, init_info: dict) -> dict:
     come from their DP index and rank, as vLLM's engines number them."""
     t0 = time.perf_counter()
     compat.engine_init_weight_transfer(self, init_info)
-    return {"ok": True, "workers": compat.engine_worker_count(self), "ms": _ms(t0)}
-
-
-def _ms(t0: float) -> float:
-    return (time.perf_counter() - t0) * 1e3
+    return {
+        "ok": True,
+        "workers": compat.engine_worker_count(self),
+        "ms": (time.perf_counter() - t0) * 1e3,
+    }

@@ -13,7 +13,7 @@ index in the plan, so the trainer may send in its own order, e.g. a layer at a t
 bytes, and the stream's digest at the end, which the worker checks against what it received.
 
 Two users:
-- ART's staged update (`worker/base_weights.stage_transfer`): the engine's target is a sink
+- ART's staged update (`worker/base_weights.stage` of a plan): the engine's target is a sink
   that keeps the tensors in host memory; the commit writes them in place between two steps.
 - vLLM's own routes (`/start_weight_update`, `/update_weights`, `/finish_weight_update`):
   layerwise reload straight into the model, as vLLM's NCCL engine does (no staging, no
@@ -120,8 +120,6 @@ class ArtGlooWeightTransferEngine(_engine_base()):
         self.group = None
         self.store = None
         self.rank: int | None = None
-        #: The digest of the last stream received (what `stage_transfer` reports).
-        self.last_digest: str | None = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         parallel = self.parallel_config
@@ -164,7 +162,7 @@ class ArtGlooWeightTransferEngine(_engine_base()):
                 "the art_gloo weight transfer is not initialized: POST "
                 "/art/v1/weights/transfer/init first"
             )
-        self.last_digest = receive_stream(
+        receive_stream(
             self.group,
             self.store,
             self.rank,
