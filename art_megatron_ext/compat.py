@@ -474,3 +474,31 @@ def distopt_live_param_state(optimizer, model_param) -> dict:
     shard = optimizer.optimizer.param_groups[group_index]["params"][group_order]
     state = optimizer.optimizer.state[shard]
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def unwrap_model(model):
+    """The model inside Megatron's wrappers (`DistributedDataParallel`, `Float16Module`, any
+    nesting), so parameter names are the model's own (`decoder.layers.0...`, not
+    `module.module.decoder...`). Anything else is returned as it is."""
+    require_megatron()
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    wrappers = (DistributedDataParallel, Float16Module)
+    while isinstance(model, wrappers):
+        model = model.module
+    return model
+
+
+def set_rotary_inv_freq(rotary, inv_freq) -> None:
+    """Replace a `RotaryEmbedding`'s inverse frequencies (0.19.2: the plain attribute
+    `inv_freq`, read by `get_freqs_non_repeated`; `forward` is an `lru_cache` per sequence
+    length, cleared here so no embedding of the old frequencies is served)."""
+    current = rotary.inv_freq
+    if current.shape != inv_freq.shape:
+        raise ValueError(
+            f"rope inverse frequencies are {tuple(current.shape)} in the model, "
+            f"{tuple(inv_freq.shape)} from the checkpoint's head_dim"
+        )
+    rotary.inv_freq = inv_freq.to(device=current.device, dtype=current.dtype)
+    type(rotary).forward.cache_clear()

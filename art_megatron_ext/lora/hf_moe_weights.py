@@ -18,14 +18,27 @@ only.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .hf_config import UnmappedConfig, check_dense, read_config, rope_inv_freq, rope_of
 from .hf_layout import fuse_b_shard, fused_qkv
 from .hf_weights import _read_safetensors
+
+#: Qwen3-MoE fields mapped here beyond the dense ones (`hf_config.DENSE_FIELDS`).
+MOE_FIELDS = frozenset(
+    {
+        "moe_intermediate_size",
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -50,13 +63,21 @@ class MoeShape:
 
     @classmethod
     def from_hf_config(cls, path: str | Path) -> MoeShape:
-        """Read a Qwen3-MoE `config.json` (or the directory holding it)."""
-        path = Path(path)
-        cfg = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        """Read a Qwen3-MoE `config.json` (or the directory holding it); `UnmappedConfig`
+        names every field the Megatron model would not carry."""
+        cfg = read_config(path)
         if cfg.get("model_type") != "qwen3_moe":
-            raise ValueError(f"{path}: model_type {cfg.get('model_type')!r} is not qwen3_moe")
+            raise UnmappedConfig(
+                f"{path}: model_type {cfg.get('model_type')!r} is not mapped by the MoE "
+                "mapping (qwen3_moe only: DeepSeek-V3's multi-latent attention, shared experts "
+                "and grouped routing are not mapped yet); nothing was built"
+            )
+        check_dense(cfg, str(path), MOE_FIELDS)
         if cfg.get("tie_word_embeddings"):
-            raise ValueError(f"{path}: tied embeddings are not supported here")
+            raise UnmappedConfig(f"{path}: tied embeddings are not supported by the MoE mapping")
+        theta, scaling = rope_of(cfg, str(path), [])
+        if scaling is not None:
+            raise UnmappedConfig(f"{path}: rope scaling is not supported by the MoE mapping")
         layers = cfg["num_hidden_layers"]
         experts = cfg.get("num_experts", cfg.get("num_local_experts"))
         step = cfg.get("decoder_sparse_step", 1)
@@ -78,8 +99,7 @@ class MoeShape:
             dense_layers=dense,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta")
-            or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0),
+            rope_theta=theta,
         )
 
     @property
@@ -142,7 +162,9 @@ def build_moe_gpt(
         **config_overrides,
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    return GPTModel(
+    from .tiny_gpt import set_rope_inv_freq
+
+    model = GPTModel(
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         config=config,
@@ -153,6 +175,8 @@ def build_moe_gpt(
         rotary_base=int(shape.rope_theta),
         share_embeddings_and_output_weights=False,
     )
+    set_rope_inv_freq(model, rope_inv_freq(shape.head_dim, shape.rope_theta, None))
+    return model
 
 
 def megatron_moe_state_from_hf(

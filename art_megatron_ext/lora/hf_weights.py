@@ -1,8 +1,13 @@
-"""Load a Hugging Face Llama checkpoint into the Megatron GPT of `tiny_gpt` (any TP size).
+"""Load a Hugging Face Llama/Qwen checkpoint into the Megatron GPT of `tiny_gpt` (any TP size).
 
 Why: LoRA trained on the Megatron side is only meaningful for the serving side's model if the
-base weights are the same. Q/K/V are fused in Megatron's per-group interleaved layout and
-gate/up in its per-rank [gate; up] layout (the same code as the LoRA B layout, `hf_layout`).
+base weights are the same. Q/K/V (weights and Qwen2's biases) are fused in Megatron's
+per-group interleaved layout and gate/up in its per-rank [gate; up] layout (the same code as
+the LoRA B layout, `hf_layout`). Tied embeddings have no `lm_head.weight` and no Megatron
+output layer; a padded vocabulary gets zero rows past the checkpoint's.
+
+Nothing is dropped silently: an HF tensor the mapping did not read (a bias, a norm, an
+extra projection) is refused by name, as is one it needs and the checkpoint lacks.
 """
 
 from __future__ import annotations
@@ -30,6 +35,50 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+class UnmappedWeights(KeyError):
+    """The checkpoint's tensors and the mapping disagree (extra or missing tensors)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class _Reads(dict):
+    """The HF tensors, remembering which ones the mapping read."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], where: str):
+        super().__init__(tensors)
+        self.read: set[str] = set()
+        self.where = where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self:
+            raise UnmappedWeights(f"{self.where}: the checkpoint has no tensor {name!r}")
+        self.read.add(name)
+        return super().__getitem__(name)
+
+    def check_all_read(self) -> None:
+        unread = sorted(set(self) - self.read)
+        if unread:
+            shown = ", ".join(unread[:8]) + (f" and {len(unread) - 8} more" if unread[8:] else "")
+            raise UnmappedWeights(
+                f"{self.where}: the checkpoint has tensors the Megatron model does not map "
+                f"(they would be dropped): {shown}. Nothing was loaded."
+            )
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`t` with zero rows appended up to `rows` (the padded vocabulary)."""
+    if t.shape[0] == rows:
+        return t
+    if t.shape[0] > rows:
+        raise ValueError(f"vocabulary of {t.shape[0]} rows does not fit {rows}")
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _fuse_qkv_bias(qkv, parts: list[torch.Tensor], tp_rank: int, tp_size: int) -> torch.Tensor:
+    return fuse_b_shard(qkv, [p[:, None] for p in parts], tp_rank, tp_size)[:, 0]
+
+
 def megatron_state_from_hf(
     hf: dict[str, torch.Tensor],
     shape,
@@ -37,14 +86,17 @@ def megatron_state_from_hf(
     tp_size: int = 1,
     *,
     te_layernorm: bool = False,
+    padded_vocab: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Megatron GPT state-dict entries (this TP rank's shards) from HF Llama tensors.
+    """Megatron GPT state-dict entries (this TP rank's shards) from HF Llama/Qwen tensors.
 
     `te_layernorm`: the layer norms live in the layernorm-fused linears of a Transformer Engine
     spec (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) instead of
-    `input_layernorm` / `pre_mlp_layernorm`."""
+    `input_layernorm` / `pre_mlp_layernorm`. `padded_vocab`: the model's (padded) vocabulary
+    rows over all TP ranks (default: the checkpoint's)."""
     qkv = fused_qkv(shape)
     fc1 = FUSED_GATE_UP
+    vocab = padded_vocab or shape.vocab_size
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         return t.chunk(tp_size, dim=0)[tp_rank]
@@ -53,10 +105,11 @@ def megatron_state_from_hf(
         return t.chunk(tp_size, dim=1)[tp_rank]
 
     out = {
-        "embedding.word_embeddings.weight": rows(hf["model.embed_tokens.weight"]),
+        "embedding.word_embeddings.weight": rows(_pad_rows(hf["model.embed_tokens.weight"], vocab)),
         "decoder.final_layernorm.weight": hf["model.norm.weight"],
-        "output_layer.weight": rows(hf["lm_head.weight"]),
     }
+    if not getattr(shape, "tie_word_embeddings", False):
+        out["output_layer.weight"] = rows(_pad_rows(hf["lm_head.weight"], vocab))
     for i in range(shape.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn_norm, mlp_norm = (
@@ -68,6 +121,14 @@ def megatron_state_from_hf(
         out[m + mlp_norm] = hf[h + "post_attention_layernorm.weight"]
         q, k, v = (hf[h + f"self_attn.{p}_proj.weight"] for p in "qkv")
         out[m + "self_attention.linear_qkv.weight"] = fuse_b_shard(qkv, [q, k, v], tp_rank, tp_size)
+        if getattr(shape, "qkv_bias", False):
+            biases = [hf[h + f"self_attn.{p}_proj.bias"] for p in "qkv"]
+            out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv_bias(
+                qkv, biases, tp_rank, tp_size
+            )
+        if getattr(shape, "qk_norm", False):
+            out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
         out[m + "self_attention.linear_proj.weight"] = cols(hf[h + "self_attn.o_proj.weight"])
         gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
         out[m + "mlp.linear_fc1.weight"] = fuse_b_shard(fc1, [gate, up], tp_rank, tp_size)
@@ -76,20 +137,33 @@ def megatron_state_from_hf(
 
 
 def load_hf_weights(model: torch.nn.Module, model_dir: str | Path, shape) -> None:
-    """Copy the HF checkpoint's weights into `model` (before or after `attach_lora`)."""
+    """Copy the HF checkpoint's weights into `model` (before or after `attach_lora`).
+
+    Every checkpoint tensor must be mapped and every mapped one present (`UnmappedWeights`
+    names them); nothing is written before both hold."""
     from megatron.core import parallel_state
+
+    from art_megatron_ext.compat import unwrap_model
 
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    hf = _read_safetensors(Path(model_dir))
-    if "lm_head.weight" not in hf:  # tied embeddings
-        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
-    params = dict(model.named_parameters())
+    hf = _Reads(_read_safetensors(Path(model_dir)), str(model_dir))
+    params = dict(unwrap_model(model).named_parameters())
     te_layernorm = any(name.endswith("linear_qkv.layer_norm_weight") for name in params)
-    state = megatron_state_from_hf(hf, shape, tp_rank, tp_size, te_layernorm=te_layernorm)
+    embedding = params.get("embedding.word_embeddings.weight")
+    padded = None if embedding is None else embedding.shape[0] * tp_size
+    state = megatron_state_from_hf(
+        hf, shape, tp_rank, tp_size, te_layernorm=te_layernorm, padded_vocab=padded
+    )
+    hf.check_all_read()
     missing = sorted(set(state) - set(params))
     if missing:
-        raise KeyError(f"{model_dir}: Megatron model has no parameter {missing[0]}")
+        raise UnmappedWeights(f"{model_dir}: Megatron model has no parameter {missing[0]}")
+    unset = sorted(n for n in set(params) - set(state) if ".lora." not in n)
+    if unset:
+        raise UnmappedWeights(
+            f"{model_dir}: no checkpoint tensor maps to Megatron parameter(s) {unset[:8]}"
+        )
     with torch.no_grad():
         for name, value in state.items():
             target = params[name]

@@ -1,17 +1,34 @@
-"""A Megatron-core GPT with the shape of a Hugging Face Llama config (the tiny model).
+"""A Megatron-core GPT with the shape of a Hugging Face Llama/Qwen config.
 
-Why: the cross-environment check trains LoRA on the Megatron side and serves it on the vLLM
-side; both must agree on every module shape. The shape is read from the HF `config.json`
-(which the serving side wrote), not restated here.
+Why: the trainer's model must be the served one, or LoRA and full weights trained here mean
+something else in vLLM. The shape is read from the HF `config.json` (which the serving side
+serves), not restated here, and read strictly (`hf_config`): Llama-3.x rope scaling, Qwen2's
+q/k/v biases, Qwen3's q/k norms, tied embeddings and a head size other than hidden / heads
+are mapped; any other field that changes the maths is refused by name.
+
+The vocabulary may be padded (`make_vocab_size_divisible_by`, as Megatron's trainers do, and
+always to a multiple of the tensor-parallel size); the padded rows are zero, never trained
+into a served token (logprobs mask them) and never exported.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .hf_config import (
+    RopeScaling,
+    UnmappedConfig,
+    check_dense,
+    padded_vocab_size,
+    read_config,
+    rope_inv_freq,
+    rope_of,
+)
+
+DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 @dataclass(frozen=True)
@@ -28,14 +45,24 @@ class GptShape:
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False  # Qwen2: q/k/v projections have biases (o_proj has none)
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of queries and keys
+    tie_word_embeddings: bool = False
 
     @classmethod
     def from_hf_config(cls, path: str | Path) -> GptShape:
-        """Read a HF `config.json` (or the directory holding it)."""
-        path = Path(path)
-        cfg = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-        if cfg.get("model_type") not in (None, "llama", "qwen2", "mistral"):
-            raise ValueError(f"{path}: model_type {cfg.get('model_type')!r} is not Llama-like")
+        """Read a HF `config.json` (or the directory holding it); `UnmappedConfig` names every
+        field the Megatron model would not carry."""
+        cfg = read_config(path)
+        kind = cfg.get("model_type")
+        if kind not in DENSE_MODEL_TYPES:
+            raise UnmappedConfig(
+                f"{path}: model_type {kind!r} is not a dense Llama/Qwen model "
+                f"(mapped: {', '.join(DENSE_MODEL_TYPES)}; qwen3_moe: lora.hf_moe_weights)"
+            )
+        check_dense(cfg, str(path))
+        theta, scaling = rope_of(cfg, str(path), [])
         heads = cfg["num_attention_heads"]
         return cls(
             hidden_size=cfg["hidden_size"],
@@ -47,9 +74,16 @@ class GptShape:
             vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta")
-            or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qkv_bias=kind == "qwen2",
+            qk_norm=kind == "qwen3",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
+
+    def inv_freq(self) -> torch.Tensor:
+        """The rope inverse frequencies HF computes for this model (`hf_config.rope_inv_freq`)."""
+        return rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
@@ -62,13 +96,17 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def _layer_spec(sequence_parallel: bool, num_layers: int, num_experts: int | None):
+def _layer_spec(
+    sequence_parallel: bool, num_layers: int, num_experts: int | None, qk_norm: bool = False
+):
     import dataclasses
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts, normalization="RMSNorm", qk_layernorm=qk_norm
+    )
     if not sequence_parallel:
         return spec
     submodules = dataclasses.replace(
@@ -95,6 +133,7 @@ def build_gpt(
     pipeline_parallel: int = 1,
     layer_spec=None,
     moe_grouped_gemm: bool = False,
+    make_vocab_size_divisible_by: int = 1,
 ):
     """A local-spec (no Transformer Engine) `GPTModel` on CPU; parallel state must be set.
 
@@ -103,6 +142,8 @@ def build_gpt(
     this rank builds its stage (layers split evenly; embedding first, output layer last).
     `layer_spec` replaces the local layer spec (e.g. a Transformer Engine spec, built from the
     TE stand-in in tests); `moe_grouped_gemm` sets the config flag grouped expert specs use.
+    The vocabulary is padded to a multiple of `make_vocab_size_divisible_by * tensor_parallel`
+    (`padded_vocab_size`); rope uses the checkpoint's own inverse frequencies.
     """
     from megatron.core import parallel_state
 
@@ -135,6 +176,8 @@ def build_gpt(
         normalization="RMSNorm",
         layernorm_epsilon=shape.rms_norm_eps,
         add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         pipeline_dtype=params_dtype,
@@ -154,15 +197,29 @@ def build_gpt(
         recompute_num_layers=1 if recompute else None,
         **moe,
     )
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec
-        or _layer_spec(sequence_parallel, shape.num_hidden_layers, num_experts),
-        vocab_size=shape.vocab_size,
+        or _layer_spec(sequence_parallel, shape.num_hidden_layers, num_experts, shape.qk_norm),
+        vocab_size=padded_vocab_size(
+            shape.vocab_size, make_vocab_size_divisible_by, tensor_parallel
+        ),
         max_sequence_length=max_sequence_length,
         position_embedding_type="rope",
         rotary_base=int(shape.rope_theta),
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )
+    set_rope_inv_freq(model, shape.inv_freq())
+    return model
+
+
+def set_rope_inv_freq(model: torch.nn.Module, inv_freq: torch.Tensor) -> None:
+    """Give `model`'s rotary embedding the checkpoint's inverse frequencies."""
+    from art_megatron_ext.compat import gpt_rotary_module_attr, set_rotary_inv_freq
+
+    rotary = getattr(model, gpt_rotary_module_attr(), None)
+    if rotary is None:
+        raise ValueError(f"{type(model).__name__} has no rotary embedding to set")
+    set_rotary_inv_freq(rotary, inv_freq)

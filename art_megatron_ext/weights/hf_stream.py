@@ -10,10 +10,11 @@ linears and the vocabulary, columns for row-parallel ones). This is the inverse 
 Memory: one layer at a time. The TP shards of a layer's tensors are all-gathered, handed to
 `sink(name, tensor)` and dropped before the next layer, so the peak beyond the model is one
 layer's full tensors, not the model's. Every TP rank takes part in the gathers (they are
-collectives); by default only TP rank 0 calls the sink. The receipt carries the digest of
-exactly what was handed to the sink (`art_protocol.weights_digest`, over the set of named
-tensors), which the server computes over the files it received
-(`hf_checkpoint.write_hf_checkpoint` writes them).
+collectives); by default only global rank 0 calls the sink (one sender, whatever the data parallel
+replicas: each replica runs the same gathers in its own groups). The receipt carries the digest of
+exactly what was handed to the sink (`art_protocol.weights_digest`, over the set of named tensors),
+which the server computes over the files it received (`hf_checkpoint.write_hf_checkpoint` writes
+them).
 
 MoE (the Qwen3-MoE GPT of `lora.hf_moe_weights.build_moe_gpt`, inverse of
 `megatron_moe_state_from_hf`): a layer with a router streams `mlp.gate.weight` (the router),
@@ -22,13 +23,20 @@ then every expert's `mlp.experts.{e}.{gate,up,down}_proj.weight` in global exper
 Each expert-parallel rank holds `num_experts / EP` `SequentialMLP` experts (rank r: global
 experts r * local .. (r + 1) * local - 1); a layer's local experts are stacked and
 all-gathered over the EP group, so the peak is still one layer's experts. Every EP rank takes
-part; by default only TP rank 0 of EP rank 0 calls the sink.
+part; by default only global rank 0 calls the sink.
 
-Scope: the dense Llama-style GPT of `lora.tiny_gpt` (local or Transformer Engine spec, any TP
-size) and the MoE GPT above (local spec, any EP size, TP = 1 as its loader), one pipeline
-stage. Refused by name: pipeline stages, MoE at TP or expert-TP > 1, grouped experts
-(`TEGroupedMLP` / `GroupedMLP`, `weight0..N`) and shared experts, which the HF MoE mapping
-does not read.
+The model may be wrapped (Megatron's `DistributedDataParallel`, `Float16Module` of a bf16
+trainer): names are looked up on the model inside. Parameters may live on the GPU: the sink
+gets them where they are, and the digest is taken from a host copy made here. A padded
+vocabulary (`build_gpt(make_vocab_size_divisible_by=...)`) is trimmed to the checkpoint's rows;
+tied embeddings send `model.embed_tokens.weight` once and no `lm_head.weight`, as the served
+checkpoint has them.
+
+Scope: the dense Llama/Qwen GPT of `lora.tiny_gpt` (local or Transformer Engine spec, any TP size,
+q/k/v biases, q/k norms) and the MoE GPT above (local spec, any EP size, TP = 1 as its loader), one
+pipeline stage. Refused by name: pipeline stages, MoE at TP or expert-TP > 1, grouped experts
+(`TEGroupedMLP` / `GroupedMLP`, `weight0..N`) and shared experts, which the HF MoE mapping does not
+read.
 """
 
 from __future__ import annotations
@@ -83,6 +91,18 @@ def _gather_experts(local: list[torch.Tensor], group, size: int) -> list[torch.T
     """Every expert's tensor in global order from each EP rank's local experts (rank r holds
     global experts r * len(local) .. (r + 1) * len(local) - 1)."""
     return [t for part in _shards(torch.stack(local), group, size) for t in part.unbind(0)]
+
+
+def _global_rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _vocab_rows(full: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The checkpoint's `vocab` rows of a (padded) vocabulary tensor."""
+    if full.shape[0] < vocab:
+        raise ValueError(f"the model has {full.shape[0]} vocabulary rows, the shape {vocab}")
+    return full[:vocab] if full.shape[0] > vocab else full
 
 
 def _check_scope(params: dict[str, torch.Tensor]) -> None:
@@ -164,6 +184,10 @@ def _layer_tensors(
     yield h + "self_attn.q_proj.weight", q
     yield h + "self_attn.k_proj.weight", k
     yield h + "self_attn.v_proj.weight", v
+    if m + "self_attention.linear_qkv.bias" in params:  # Qwen2: q/k/v biases
+        biases = split_fused_b(qkv, [b[:, None] for b in shards("self_attention.linear_qkv.bias")])
+        for p, bias in zip("qkv", biases, strict=True):
+            yield f"{h}self_attn.{p}_proj.bias", bias[:, 0].contiguous()
     yield (
         h + "self_attn.o_proj.weight",
         _gather(params[m + "self_attention.linear_proj.weight"], 1, group, size),
@@ -191,32 +215,42 @@ def stream_hf_weights(
 ) -> StreamReceipt:
     """Hand every weight of `model` to `sink(hf_name, full_tensor)`, one layer at a time.
 
-    Collective over the tensor-parallel group and, for an MoE model, the expert-parallel
-    group (call it on every TP and EP rank). `send` says whether this rank calls the sink
-    (default: TP rank 0, and for an MoE model EP rank 0 too). `shape` is the model's
-    `GptShape` or `MoeShape`. Returns the receipt (digest, tensors, bytes) of what was sent,
-    the same on every rank.
+    Collective over the tensor-parallel group and, for an MoE model, the expert-parallel group (call
+    it on every TP and EP rank). `send` says whether this rank calls the sink (default: global rank
+    0 only, or the one process when torch.distributed is not set up). `shape` is the model's
+    `GptShape` or `MoeShape`. Returns the receipt (digest, tensors, bytes) of what was sent, the
+    same on every rank.
     """
-    group, size, rank = _group("tensor_model")
-    params = dict(model.named_parameters())
+    from art_megatron_ext.compat import unwrap_model
+
+    group, size, _ = _group("tensor_model")
+    inner = unwrap_model(model)
+    pattern = getattr(inner, "hybrid_layer_pattern", None)
+    if pattern is not None:
+        raise NotImplementedError(
+            f"stream_hf_weights: a HybridModel (layer pattern {pattern!r}) is not streamed yet: "
+            "GPT layer i's attention and MLP live in two hybrid layers "
+            "(lora.layer_position.gpt_layer_pairs) and the final norm is decoder.final_norm; "
+            "nothing was streamed"
+        )
+    params = dict(inner.named_parameters())
     _check_scope(params)
     ep = _group("expert_model")
-    moe = any(n.endswith(".mlp.router.weight") for n in params)
-    send = (rank == 0 and (not moe or ep[2] == 0)) if send is None else send
+    send = _global_rank() == 0 if send is None else send
     te_layernorm = any(n.endswith("linear_qkv.layer_norm_weight") for n in params)
     digest = WeightsDigest()
+    vocab = shape.vocab_size
 
     def emit(name: str, tensor: torch.Tensor) -> None:
         tensor = tensor.contiguous()
-        digest.update(
-            name, str(tensor.dtype), tuple(tensor.shape), tensor.view(torch.uint8).numpy()
-        )
+        host = tensor if tensor.device.type == "cpu" else tensor.cpu()
+        digest.update(name, str(host.dtype), tuple(host.shape), host.view(torch.uint8).numpy())
         if send:
             sink(name, tensor)
 
     emit(
         "model.embed_tokens.weight",
-        _gather(params["embedding.word_embeddings.weight"], 0, group, size),
+        _vocab_rows(_gather(params["embedding.word_embeddings.weight"], 0, group, size), vocab),
     )
     layers = shape.num_hidden_layers
     for i in range(layers):
@@ -224,7 +258,10 @@ def stream_hf_weights(
             emit(name, tensor)
     emit("model.norm.weight", params["decoder.final_layernorm.weight"].detach().clone())
     if "output_layer.weight" in params:  # untied: its own tensor
-        emit("lm_head.weight", _gather(params["output_layer.weight"], 0, group, size))
+        emit(
+            "lm_head.weight",
+            _vocab_rows(_gather(params["output_layer.weight"], 0, group, size), vocab),
+        )
     return StreamReceipt(
         tensors=digest.tensors, bytes=digest.bytes, layers=layers, digest=digest.hexdigest()
     )
