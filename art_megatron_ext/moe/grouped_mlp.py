@@ -13,6 +13,13 @@ input-major, the layout the op takes: `linear_fc1.weight` [L, hidden, F1] (F1 = 
 units: gate columns first, then up, as Megatron's `torch.chunk`) and `linear_fc2.weight`
 [L, ffn, hidden]; expert e's `SequentialMLP` weights are the transposes
 (`copy_from_sequential_mlp`).
+
+Dist checkpoints (`sharded_state_dict`) use Megatron's expert keys and layout, those of
+`SequentialMLP` and `TEGroupedMLP`: `...mlp.experts.experts.linear_fc1.weight` (Megatron's
+doubled `experts.`), global [experts, F1, hidden], each local expert at its global index
+`ep_rank * L + e`, replicated over expert data parallel. So a checkpoint saved at one
+expert-parallel size loads at another, and one saved with Megatron's experts loads into these
+(not the reverse: Megatron's experts also ask for their linears' `_extra_state`).
 """
 
 from __future__ import annotations
@@ -66,8 +73,9 @@ class ArtGroupedMLP(_megatron_module()):
         super().__init__(config=config)
         self.options = options or GroupedMLPOptions()
         self.num_local_experts = num_local_experts
-        self.ep_group = getattr(pg_collection, "ep", None) if pg_collection is not None else None
-        expt_tp = getattr(pg_collection, "expt_tp", None) if pg_collection is not None else None
+        self.ep_group = getattr(pg_collection, "ep", None)
+        expt_dp = getattr(pg_collection, "expt_dp", None)
+        expt_tp = getattr(pg_collection, "expt_tp", None)
         if expt_tp is not None and expt_tp.size() != 1:
             raise ValueError(
                 f"ArtGroupedMLP supports expert tensor parallel size 1, got {expt_tp.size()}"
@@ -78,15 +86,16 @@ class ArtGroupedMLP(_megatron_module()):
             raise ValueError("ArtGroupedMLP runs bf16/fp32 experts; fp8/fp4 needs TEGroupedMLP")
         ffn = config.moe_ffn_hidden_size
         fc1_out = 2 * ffn if config.gated_linear_unit else ffn
-        backend = self.options.backend
+        shared = dict(
+            config=config, backend=self.options.backend, ep_group=self.ep_group,
+            expt_dp_group=expt_dp,
+        )  # fmt: skip
         self.linear_fc1 = ArtGroupedLinear(
-            num_local_experts, config.hidden_size, fc1_out, kind="column", config=config,
-            backend=backend,
-        )  # fmt: skip
+            num_local_experts, config.hidden_size, fc1_out, kind="column", **shared
+        )
         self.linear_fc2 = ArtGroupedLinear(
-            num_local_experts, ffn, config.hidden_size, kind="row", config=config,
-            backend=backend,
-        )  # fmt: skip
+            num_local_experts, ffn, config.hidden_size, kind="row", **shared
+        )
         self.linear_fc1.init_like_megatron(config.init_method)
         self.linear_fc2.init_like_megatron(config.output_layer_init_method)
 
@@ -121,6 +130,21 @@ class ArtGroupedMLP(_megatron_module()):
         h = (h * permuted_probs.unsqueeze(-1)).to(h.dtype)
         out, _ = self.linear_fc2(h, tokens_per_expert)
         return out, None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """Each linear's entries (`ArtGroupedLinear.sharded_state_dict`) under Megatron's expert
+        keys: `{prefix}experts.linear_fc1.*`, as `TEGroupedMLP` names them (so its LoRA
+        entries, too, are those of a `TEGroupedMLP` with the same sites). State-dict keys stay
+        the module's own (`{prefix}linear_fc1.weight`), for `load_state_dict`."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        entries = {}
+        for name, module in self.named_children():
+            sub = sharded_state_dict_default(module, f"{name}.", sharded_offsets, metadata)
+            replace_prefix_for_sharding(sub, f"{name}.", f"{prefix}experts.{name}.")
+            entries.update({f"{prefix}{key}": value for key, value in sub.items()})
+        return entries
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the main backward (no delayed wgrad)."""
