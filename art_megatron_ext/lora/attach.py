@@ -180,7 +180,9 @@ def attach_lora(
     gradients. Returns the sites in module order. Raises `UnsupportedLinear` naming the first
     targeted module that cannot be wrapped, before changing anything; its subclass
     `BypassedLinear` when the module would never be called (expert linears of a `TEGroupedMLP`
-    with `use_transformer_engine_op_fuser`).
+    with `use_transformer_engine_op_fuser`). A `HybridModel` works as the `GPTModel` of the same
+    shape (sites numbered by GPT layer); `layer_position.UnsupportedLayerPattern`, also
+    before changing anything, when its layer pattern does not pair into GPT layers.
     """
     from .grouped import describe_grouped_linear, is_grouped_linear
 
