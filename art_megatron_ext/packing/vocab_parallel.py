@@ -51,6 +51,7 @@ def vocab_parallel_logprobs(
     *,
     tp_group=None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """`[N]` logprob of vocabulary id `target[n]` under the logits at `logits[index][n]`.
 
@@ -65,6 +66,10 @@ def vocab_parallel_logprobs(
         tp_group: the process group the vocabulary is split over, rank `r` holding ids
             `[r * V/tp, (r + 1) * V/tp)`; None: no split, no communication.
         chunk_tokens: tokens normalised at once (>= 1); bounds the extra memory.
+        vocab_size: the model's true vocabulary when the logits are padded (Megatron pads the
+            output layer to `make_vocab_size_divisible_by * tp`): ids `>= vocab_size` are no
+            tokens and take no probability (the served model has no such column). None: every
+            column is a token.
 
     Returns `[N]` in fp32, or in fp64 for fp64 logits. Every rank of `tp_group` must call
     this together with the same `N` (collectives). Raises ValueError naming the bad input.
@@ -92,15 +97,24 @@ def vocab_parallel_logprobs(
     ranks = 1 if group is None else dist.get_world_size(group)
     if group is not None:
         _check_same_on_every_rank(group, n, shard, logits.device)
-    if n and (int(target.min()) < 0 or int(target.max()) >= shard * ranks):
-        bad = int(((target < 0) | (target >= shard * ranks)).nonzero()[0])
+    width = shard * ranks
+    if vocab_size is not None and not (
+        isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and 0 < vocab_size <= width
+    ):
         raise ValueError(
-            f"target[{bad}] = {int(target[bad])} is outside the vocabulary [0, {shard * ranks}) "
+            f"vocab_size must be an int in [1, {width}] ({ranks} shard(s) of {shard} logits), "
+            f"got {vocab_size!r}"
+        )
+    vocab = width if vocab_size is None else vocab_size
+    if n and (int(target.min()) < 0 or int(target.max()) >= vocab):
+        bad = int(((target < 0) | (target >= vocab)).nonzero()[0])
+        raise ValueError(
+            f"target[{bad}] = {int(target[bad])} is outside the vocabulary [0, {vocab}) "
             f"of {ranks} shard(s) of {shard} logits"
         )
     index = tuple(i.to(logits.device).long() for i in index)
     return _VocabParallelLogprobs.apply(
-        logits, target.to(logits.device).long(), group, chunk_tokens, *index
+        logits, target.to(logits.device).long(), group, chunk_tokens, vocab, *index
     )
 
 
@@ -125,15 +139,18 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     needs no communication; repeated indices accumulate."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, chunk, *index):
+    def forward(ctx, logits, target, group, chunk, vocab, *index):
         wide = torch.promote_types(logits.dtype, torch.float32)
         n, shard = target.shape[0], logits.shape[-1]
         start = 0 if group is None else dist.get_rank(group) * shard
+        pad_from = max(0, vocab - start)  # this shard's first padded column (shard: none)
         out = torch.empty(n, dtype=wide, device=logits.device)
         lse = torch.empty(n, dtype=wide, device=logits.device)
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
             x = logits[tuple(i[a:b] for i in index)].to(wide)  # [c, shard], a copy
+            if pad_from < shard:
+                x[:, pad_from:] = -torch.inf  # padded ids: probability 0
             if group is None:
                 # log_softmax itself: bit-identical to normalising the gathered logits.
                 lse[a:b] = torch.logsumexp(x, dim=-1)
@@ -148,7 +165,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
             out[a:b] = (stats[0] - top) - stats[1].log()
             lse[a:b] = top + stats[1].log()
-        ctx.chunk, ctx.start = chunk, start
+        ctx.chunk, ctx.start, ctx.pad_from = chunk, start, pad_from
         ctx.save_for_backward(logits, target, lse, *index)
         return out
 
@@ -163,12 +180,14 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             where = tuple(i[a:b] for i in index)
             g = grad_out[a:b].to(lse.dtype)
             x = logits[where].to(lse.dtype)
+            if ctx.pad_from < shard:
+                x[:, ctx.pad_from :] = -torch.inf
             x.sub_(lse[a:b, None]).exp_().mul_(-g[:, None])  # -softmax * g
             local, inside = _local_ids(target[a:b], ctx.start, shard)
             rows = torch.arange(b - a, device=x.device)
             x[rows[inside], local[inside]] += g[inside]
             grad.index_put_(where, x.to(grad.dtype), accumulate=True)
-        return (grad, None, None, None, *([None] * len(index)))
+        return (grad, None, None, None, None, *([None] * len(index)))
 
 
 def _local_ids(target: torch.Tensor, start: int, shard: int):
