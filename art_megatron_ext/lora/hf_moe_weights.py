@@ -112,11 +112,14 @@ def build_moe_gpt(
     *,
     params_dtype: torch.dtype = torch.float32,
     max_sequence_length: int = 256,
+    grouped_experts: bool = False,
     **config_overrides,
 ):
     """A local-spec `GPTModel` with `shape`'s dense/MoE layer pattern on CPU, for this rank's
     pipeline stage; Megatron's parallel state must be set. `config_overrides` go to the
-    `TransformerConfig` (parallel sizes, recompute, `moe_enable_routing_replay`, ...)."""
+    `TransformerConfig` (parallel sizes, recompute, `moe_enable_routing_replay`, ...).
+    `grouped_experts`: the experts are one `ArtGroupedMLP` per layer (`art_moe_layer_spec`)
+    instead of Megatron's `SequentialMLP`; the loader and the stream map both."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -162,6 +165,8 @@ def build_moe_gpt(
         **config_overrides,
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if grouped_experts:
+        spec = _with_grouped_experts(spec, shape.num_experts)
     from .tiny_gpt import set_rope_inv_freq
 
     model = GPTModel(
@@ -177,6 +182,38 @@ def build_moe_gpt(
     )
     set_rope_inv_freq(model, rope_inv_freq(shape.head_dim, shape.rope_theta, None))
     return model
+
+
+def _with_grouped_experts(block, num_experts: int):
+    """`block` (a decoder block spec) with every MoE layer's experts as `ArtGroupedMLP`."""
+    import dataclasses
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from art_megatron_ext.moe import art_moe_layer_spec
+
+    layers = []
+    for layer in block.layer_specs:
+        if getattr(layer.submodules.mlp, "func", None) is MoELayer:
+            sub = dataclasses.replace(layer.submodules, mlp=art_moe_layer_spec(num_experts))
+            layer = dataclasses.replace(layer, submodules=sub)
+        layers.append(layer)
+    return dataclasses.replace(block, layer_specs=layers)
+
+
+def grouped_expert_state(state: dict[str, torch.Tensor], shape: MoeShape) -> dict:
+    """`state` (per-expert `SequentialMLP` names) with each MoE layer's experts stacked in
+    `ArtGroupedMLP`'s layout: `mlp.experts.linear_fc1.weight` [E, hidden, 2 * ffn] (each
+    expert's [gate; up] transposed) and `linear_fc2.weight` [E, ffn, hidden]."""
+    out = {n: t for n, t in state.items() if ".mlp.experts.local_experts." not in n}
+    for i in shape.moe_layers:
+        m = f"decoder.layers.{i}.mlp.experts."
+        for fc in ("linear_fc1", "linear_fc2"):
+            experts = range(shape.num_experts)
+            out[f"{m}{fc}.weight"] = torch.stack(
+                [state[f"{m}local_experts.{e}.{fc}.weight"].t() for e in experts]
+            )
+    return out
 
 
 def megatron_moe_state_from_hf(
@@ -212,6 +249,10 @@ def megatron_moe_state_from_hf(
     return out
 
 
+GROUPED_FC1 = ".mlp.experts.linear_fc1.weight"
+GROUPED_NAMES = (GROUPED_FC1, ".mlp.experts.linear_fc2.weight")
+
+
 def _global_name(model: torch.nn.Module, name: str, experts_offset: int) -> str:
     """The TP = PP = EP = 1 name of this rank's parameter `name` (stage-local layer index ->
     global layer, local expert index -> global expert)."""
@@ -238,6 +279,12 @@ def load_hf_moe_weights(model: torch.nn.Module, model_dir: str | Path, shape: Mo
     offset = parallel_state.get_expert_model_parallel_rank() * (shape.num_experts // ep_size)
     state = megatron_moe_state_from_hf(_read_safetensors(Path(model_dir)), shape)
     params = {_global_name(model, n, offset): p for n, p in model.named_parameters()}
+    if any(n.endswith(GROUPED_FC1) for n in params):
+        local = shape.num_experts // ep_size
+        state = {
+            n: t[offset : offset + local] if n.endswith(GROUPED_NAMES) else t
+            for n, t in grouped_expert_state(state, shape).items()
+        }
     unset = sorted(set(params) - set(state))
     whole = ep_size == 1 and parallel_state.get_pipeline_model_parallel_world_size() == 1
     missing = sorted(set(state) - set(params)) if whole else []

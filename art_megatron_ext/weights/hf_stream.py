@@ -20,7 +20,7 @@ MoE (the Qwen3-MoE GPT of `lora.hf_moe_weights.build_moe_gpt`, inverse of
 `megatron_moe_state_from_hf`): a layer with a router streams `mlp.gate.weight` (the router),
 then every expert's `mlp.experts.{e}.{gate,up,down}_proj.weight` in global expert order;
 `q_layernorm` / `k_layernorm` stream as `self_attn.q_norm` / `k_norm` wherever they exist.
-Each expert-parallel rank holds `num_experts / EP` `SequentialMLP` experts (rank r: global
+Each expert-parallel rank holds `num_experts / EP` experts (rank r: global
 experts r * local .. (r + 1) * local - 1); a layer's local experts are stacked and
 all-gathered over the EP group, so the peak is still one layer's experts. Every EP rank takes
 part; by default only global rank 0 calls the sink.
@@ -33,14 +33,15 @@ tied embeddings send `model.embed_tokens.weight` once and no `lm_head.weight`, a
 checkpoint has them.
 
 Scope: the dense Llama/Qwen GPT of `lora.tiny_gpt` (local or Transformer Engine spec, any TP size,
-q/k/v biases, q/k norms) and the MoE GPT above (local spec, any EP size, TP = 1 as its loader), one
-pipeline stage. Refused by name: pipeline stages, MoE at TP or expert-TP > 1, grouped experts
-(`TEGroupedMLP` / `GroupedMLP`, `weight0..N`) and shared experts, which the HF MoE mapping does not
-read.
+q/k/v biases, q/k norms) and the MoE GPT above (local spec, any EP size, TP = 1 as its loader;
+experts as `SequentialMLP`, our `ArtGroupedMLP` or `TEGroupedMLP`), one pipeline stage. Refused
+by name before anything is sent: pipeline stages, a `HybridModel`, MoE at TP or expert-TP > 1,
+shared experts and any other expert parameter, which the HF MoE mapping does not read.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -116,16 +117,17 @@ def _check_scope(params: dict[str, torch.Tensor]) -> None:
             "stream_hf_weights: pipeline_model_parallel_size > 1 is not supported yet (each "
             "stage would stream its own layers; say so in the issue tracker)"
         )
-    grouped = [
+    unmapped = [
         n
         for n in params
-        if (".mlp.experts." in n and ".local_experts." not in n) or ".mlp.shared_experts." in n
+        if (".mlp.experts." in n and _expert_form(n) is None) or ".mlp.shared_experts." in n
     ]
-    if grouped:
+    if unmapped:
         raise NotImplementedError(
-            f"stream_hf_weights: {grouped[0]} is a grouped or shared expert parameter; only "
-            "SequentialMLP experts (mlp.experts.local_experts.N), as the HF MoE mapping "
-            "(lora.hf_moe_weights) loads them, are supported; nothing was streamed"
+            f"stream_hf_weights: {unmapped[0]} is not an expert parameter the HF MoE mapping "
+            "reads (SequentialMLP local_experts.N, ArtGroupedMLP linear_fc1/2.weight [L, ...] "
+            "or TEGroupedMLP linear_fc1/2.weightN; shared experts are not mapped); nothing was "
+            "streamed"
         )
     moe = any(n.endswith(".mlp.router.weight") for n in params)
     if moe and parallel_state.model_parallel_is_initialized():
@@ -139,39 +141,79 @@ def _check_scope(params: dict[str, torch.Tensor]) -> None:
             )
 
 
+_TE_GROUPED = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")
+
+
+def _expert_form(name: str) -> str | None:
+    """Which expert module holds `name`: "sequential" (Megatron's `SequentialMLP`), "grouped"
+    (our `ArtGroupedMLP`: one [L, in, out] tensor per linear), "te" (`TEGroupedMLP`: one
+    `weightN` [out, in] per local expert), or None (not a mapped expert weight)."""
+    if ".mlp.experts.local_experts." in name and name.endswith("weight"):
+        return "sequential"
+    if name.endswith((".mlp.experts.linear_fc1.weight", ".mlp.experts.linear_fc2.weight")):
+        return "grouped"
+    if _TE_GROUPED.search(name):
+        return "te"
+    return None
+
+
+def _local_experts(params: dict[str, torch.Tensor], m: str) -> tuple[list, list]:
+    """This rank's experts of layer `m` as ([fc1 [2 * ffn, hidden]], [fc2 [hidden, ffn]]), in
+    local expert order, whichever expert module holds them (views, no copies)."""
+    grouped = params.get(m + "mlp.experts.linear_fc1.weight")
+    if grouped is not None:  # ArtGroupedMLP: [L, hidden, 2 * ffn] and [L, ffn, hidden]
+        fc2 = params[m + "mlp.experts.linear_fc2.weight"]
+        return [w.t() for w in grouped.unbind(0)], [w.t() for w in fc2.unbind(0)]
+    te = m + "mlp.experts.linear_fc1.weight"
+    if te + "0" in params:  # TEGroupedMLP: weight0..L-1, already [out, in]
+        count = sum(1 for n in params if n.startswith(te))
+        fc2 = m + "mlp.experts.linear_fc2.weight"
+        return [params[f"{te}{j}"] for j in range(count)], [
+            params[f"{fc2}{j}"] for j in range(count)
+        ]
+    prefix = m + "mlp.experts.local_experts."
+    local = sorted({int(n[len(prefix) :].split(".")[0]) for n in params if n.startswith(prefix)})
+    if local != list(range(len(local))) or not local:
+        raise ValueError(f"stream_hf_weights: {prefix}N are {local}, not 0..n-1")
+    return (
+        [params[f"{prefix}{j}.linear_fc1.weight"] for j in local],
+        [params[f"{prefix}{j}.linear_fc2.weight"] for j in local],
+    )
+
+
 def _moe_tensors(
     params: dict[str, torch.Tensor], m: str, h: str, fc1, group, size: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """An MoE layer's router and every expert (all EP ranks'), in HF names and order."""
     yield h + "mlp.gate.weight", params[m + "mlp.router.weight"].detach().clone()
-    prefix = m + "mlp.experts.local_experts."
-    local = sorted({int(n[len(prefix) :].split(".")[0]) for n in params if n.startswith(prefix)})
-    if local != list(range(len(local))) or not local:
-        raise ValueError(f"stream_hf_weights: {prefix}N are {local}, not 0..n-1")
-    ups = _gather_experts([params[f"{prefix}{j}.linear_fc1.weight"] for j in local], group, size)
-    downs = _gather_experts([params[f"{prefix}{j}.linear_fc2.weight"] for j in local], group, size)
+    local_fc1, local_fc2 = _local_experts(params, m)
+    ups = _gather_experts([w.detach() for w in local_fc1], group, size)
+    downs = _gather_experts([w.detach() for w in local_fc2], group, size)
     for e, (up_gate, down) in enumerate(zip(ups, downs, strict=True)):
         gate, up = split_fused_b(fc1, [up_gate])
-        yield f"{h}mlp.experts.{e}.gate_proj.weight", gate
-        yield f"{h}mlp.experts.{e}.up_proj.weight", up
-        yield f"{h}mlp.experts.{e}.down_proj.weight", down.clone()
+        yield f"{h}mlp.experts.{e}.gate_proj.weight", gate.contiguous()
+        yield f"{h}mlp.experts.{e}.up_proj.weight", up.contiguous()
+        yield f"{h}mlp.experts.{e}.down_proj.weight", down.contiguous().clone()
 
 
 def _layer_tensors(
     params: dict[str, torch.Tensor],
     i: int,
     shape,
-    te_layernorm: bool,
     group,
     size: int,
     ep: tuple,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Layer i's HF tensors, in checkpoint order."""
     m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    # A norm lives in its own module or in the layernorm-fused linear after it (TE specs);
+    # a TE spec's MoE layer keeps `pre_mlp_layernorm` (its experts fuse no norm).
     attn_norm, mlp_norm = (
-        ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
-        if te_layernorm
-        else ("input_layernorm.weight", "pre_mlp_layernorm.weight")
+        fused if m + fused in params else plain
+        for fused, plain in (
+            ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+            ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+        )
     )
     qkv = fused_qkv(shape)
     fc1 = FUSED_GATE_UP
@@ -237,7 +279,6 @@ def stream_hf_weights(
     _check_scope(params)
     ep = _group("expert_model")
     send = _global_rank() == 0 if send is None else send
-    te_layernorm = any(n.endswith("linear_qkv.layer_norm_weight") for n in params)
     digest = WeightsDigest()
     vocab = shape.vocab_size
 
@@ -254,7 +295,7 @@ def stream_hf_weights(
     )
     layers = shape.num_hidden_layers
     for i in range(layers):
-        for name, tensor in _layer_tensors(params, i, shape, te_layernorm, group, size, ep[:2]):
+        for name, tensor in _layer_tensors(params, i, shape, group, size, ep[:2]):
             emit(name, tensor)
     emit("model.norm.weight", params["decoder.final_layernorm.weight"].detach().clone())
     if "output_layer.weight" in params:  # untied: its own tensor

@@ -5,7 +5,10 @@ Both directions bit for bit, as for the dense GPT (test_hf_stream.py): HF checkp
 `load_hf_moe_weights` -> stream gives back the checkpoint's tensors (router, every expert of
 every EP rank, q/k norms), and random Megatron weights -> stream -> `megatron_moe_state_from_hf`
 gives back this rank's parameters (its own experts included), so the stream is the loader's
-exact inverse. Refusals (grouped experts, MoE at TP > 1) are checked by name.
+exact inverse. The same holds with the experts of each layer in one `ArtGroupedMLP`
+(`build_moe_gpt(grouped_experts=True)`: [L, in, out] tensors, transposed and split into HF's
+per-expert gate/up/down). Refusals (unmapped expert parameters, MoE at TP > 1) are checked by
+name.
 """
 
 from __future__ import annotations
@@ -20,15 +23,18 @@ from support.weight_stream import collect_stream, randomize_
 from art_protocol.weights_digest import WeightsDigest
 
 pytestmark = pytest.mark.train
+TINY_FFN = 256  # support.gpt_shapes.TINY intermediate_size: each expert's FFN width
 
 
 def _worker(rank: int, world: int, hf_dir: str) -> dict:
     from support.megatron_cpu import cpu_shim, megatron_parallel
 
     from art_megatron_ext.lora.hf_moe_weights import (
+        GROUPED_NAMES,
         MoeShape,
         _global_name,
         build_moe_gpt,
+        grouped_expert_state,
         load_hf_moe_weights,
         megatron_moe_state_from_hf,
     )
@@ -53,6 +59,22 @@ def _worker(rank: int, world: int, hf_dir: str) -> dict:
         out["inverse_count"] = len(params)
         # the streamed experts of the other EP ranks are theirs, not copies of ours
         out["all_experts"] = sorted(n for n in back if ".local_experts." in n)
+        # the same with ArtGroupedMLP experts
+        torch.manual_seed(0)
+        grouped = build_moe_gpt(shape, expert_model_parallel_size=world, grouped_experts=True)
+        assert any(n.endswith(GROUPED_NAMES) for n, _ in grouped.named_parameters())
+        load_hf_moe_weights(grouped, hf_dir, shape)
+        out["grouped_loaded"] = collect_stream(grouped, shape)
+        randomize_(grouped, rank)
+        mine = {}
+        stream_hf_weights(grouped, shape, lambda n, t: mine.__setitem__(n, t.clone()), send=True)
+        local = shape.num_experts // world
+        back = {
+            n: t[offset : offset + local] if n.endswith(GROUPED_NAMES) else t
+            for n, t in grouped_expert_state(megatron_moe_state_from_hf(mine, shape), shape).items()
+        }
+        params = {_global_name(grouped, n, offset): p for n, p in grouped.named_parameters()}
+        out["grouped_inverse"] = sorted(n for n, p in params.items() if not torch.equal(back[n], p))
     return out
 
 
@@ -102,6 +124,17 @@ def test_stream_gives_back_the_moe_checkpoint(hf_checkpoint, streamed):
     assert receipt.bytes == sum(t.numel() * t.element_size() for _, t in sent)
 
 
+def test_grouped_experts_stream_the_same_checkpoint(streamed):
+    _, results = streamed
+    for r in results:
+        assert r["grouped_loaded"][1] == r["loaded"][1]  # same digest: same names and bytes
+    assert [n for n, _ in results[0]["grouped_loaded"][0]] == [
+        n for n, _ in results[0]["loaded"][0]
+    ]
+    for r in results:
+        assert r["grouped_inverse"] == []
+
+
 def test_stream_inverts_the_moe_loader_on_every_ep_rank(streamed):
     ep, results = streamed
     assert len(results) == ep
@@ -144,3 +177,43 @@ def test_grouped_experts_are_refused_by_name():
 def test_moe_at_tensor_parallel_2_is_refused_by_name():
     results = run_ranks(_refusal_worker, world_size=2, args=("tp2",))
     assert all("MoE layers at tensor parallel 2" in r for r in results), results
+
+
+def _te_grouped_worker(rank: int, world: int) -> dict:
+    from support.gpt_shapes import TINY
+    from support.megatron_cpu import cpu_shim, megatron_parallel
+    from support.te_standin import te_standin_layer_spec
+
+    from art_megatron_ext.lora.tiny_gpt import GptShape, build_gpt
+
+    shape = GptShape(**TINY)
+    with cpu_shim(), megatron_parallel():
+        torch.manual_seed(0)
+        model = build_gpt(
+            shape,
+            num_experts=4,
+            moe_grouped_gemm=True,
+            layer_spec=te_standin_layer_spec(num_experts=4, moe_grouped_gemm=True),
+        )
+        randomize_(model, rank)
+        sent, _ = collect_stream(model, shape)
+        params = {n: p.detach().numpy() for n, p in model.named_parameters()}
+    return {"sent": dict(sent), "params": params}
+
+
+def test_te_grouped_experts_stream_each_expert_in_hf_names():
+    """`TEGroupedMLP` holds expert j's fc1 as `linear_fc1.weight{j}` [2 * ffn, hidden]
+    ([gate; up]) and fc2 as `linear_fc2.weight{j}`: each is sent as HF's three projections."""
+    (result,) = run_ranks(_te_grouped_worker, world_size=1)
+    sent, params = result["sent"], result["params"]
+    ffn = TINY_FFN
+    for layer in range(2):
+        m = f"decoder.layers.{layer}.mlp.experts."
+        for e in range(4):
+            h = f"model.layers.{layer}.mlp.experts.{e}."
+            fc1 = params[f"{m}linear_fc1.weight{e}"]
+            assert (sent[h + "gate_proj.weight"] == fc1[:ffn]).all()
+            assert (sent[h + "up_proj.weight"] == fc1[ffn:]).all()
+            assert (sent[h + "down_proj.weight"] == params[f"{m}linear_fc2.weight{e}"]).all()
+        norm = f"model.layers.{layer}.post_attention_layernorm.weight"
+        assert (sent[norm] == params[f"decoder.layers.{layer}.pre_mlp_layernorm.weight"]).all()
