@@ -27,6 +27,7 @@ __all__ = [
     "build_moe_layer",
     "cpu_shim",
     "cuda_tensor_type_names",
+    "gloo_world_of_one",
     "megatron_parallel",
     "moe_test_config",
 ]
@@ -50,6 +51,27 @@ def megatron_parallel(tp: int = 1, ep: int = 1, pp: int = 1) -> Iterator[None]:
         yield
     finally:
         parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def gloo_world_of_one() -> Iterator[None]:
+    """In this process: a gloo world of 1 (unless one exists), TP=1 parallel state and the
+    CPU stand-ins; the CPU twin of `support.cuda_world.nccl_world_of_one`."""
+    import os
+    import tempfile
+
+    created = not torch.distributed.is_initialized()
+    if created:
+        rdzv = os.path.join(tempfile.mkdtemp(prefix="art_gloo_one_"), "rdzv")
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{rdzv}", rank=0, world_size=1
+        )
+    try:
+        with cpu_shim(), megatron_parallel():
+            yield
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()
 
 
 def moe_test_config(**overrides: Any) -> Any:
