@@ -84,3 +84,23 @@ def test_a_padded_id_as_target_or_a_bad_vocab_size_is_refused():
         _ours(logits, target, weights, vocab_size=VOCAB)
     with pytest.raises(ValueError, match="vocab_size must be an int in"):
         _ours(*_inputs(), vocab_size=PADDED + 1)
+
+
+def test_tempered_logprobs_of_a_padded_vocabulary():
+    """The example's path (`predecessor_logprobs` with a temperature) takes `vocab_size` too."""
+    from art_megatron_ext.packing import predecessor_logprobs
+
+    logits, target, _ = _inputs()
+    temperature = 0.7
+    want = (logits[:, :VOCAB].double() / temperature).log_softmax(-1)
+    want = want.gather(-1, target[:, None]).squeeze(-1).float()
+    # one row of 21 positions: position i + 1 holds target i, predicted by position i
+    tokens = torch.cat([torch.zeros(1, dtype=torch.long), target])[None]
+    predecessor = torch.arange(-1, 20)[None]
+    mask = predecessor >= 0
+    padded = torch.cat([logits, torch.zeros(1, PADDED)])[None]
+    for t in (temperature, torch.full((1, 21), temperature)):
+        got = predecessor_logprobs(
+            padded, tokens, predecessor, mask, temperature=t, vocab_size=VOCAB, chunk_tokens=8
+        )
+        torch.testing.assert_close(got[0, 1:], want, rtol=0, atol=ATOL)
