@@ -64,16 +64,22 @@ MEGATRON_TEST_PATHS=(tests/art_megatron_ext/lora/test_no_host_syncs_gpu.py
                      tests/art_megatron_ext/lora/test_lora_local_spec_gpu.py
                      tests/art_megatron_ext/lora/test_grouped_lora_cutlass_gpu.py
                      tests/art_megatron_ext/moe/test_hybridep_flex_gpu.py
-                     tests/art_megatron_ext/packing/test_tree_attention_megatron_gpu.py)
+                     tests/art_megatron_ext/packing/test_tree_attention_megatron_gpu.py
+                     tests/art_megatron_ext/weights/test_hf_stream_gpu.py)
+# the Pipeline RL example's trainer on recorded rollouts (no vLLM): its cuda case, with the
+# carried megatron-core, NCCL and no CPU stand-in
+EXAMPLE_TEST_PATHS=(tests/examples/test_trainer_on_device.py)
 
-STAGE_NAMES=(preflight build gpu-tests megatron-gpu-tests hybridep-ranks time-grouped-gemm
-             time-hybridep time-flex-attention async-provenance)
+STAGE_NAMES=(preflight build gpu-tests megatron-gpu-tests example-trainer hybridep-ranks
+             time-grouped-gemm time-hybridep time-flex-attention async-provenance)
 declare -A LIMIT=([preflight]=60 [build]=200 [gpu-tests]=120 [megatron-gpu-tests]=150
-                  [hybridep-ranks]=60 [time-grouped-gemm]=60 [time-hybridep]=60
-                  [time-flex-attention]=75 [async-provenance]=30)
+                  [example-trainer]=120 [hybridep-ranks]=60 [time-grouped-gemm]=60
+                  [time-hybridep]=60 [time-flex-attention]=75 [async-provenance]=30)
+# example-trainer: importing Megatron and compiling FlexAttention's forward and backward are
+# most of its time (not yet measured on a GPU)
 declare -A FLOOR=([preflight]=10 [build]=30 [gpu-tests]=30 [megatron-gpu-tests]=20
-                  [hybridep-ranks]=15 [time-grouped-gemm]=20 [time-hybridep]=20
-                  [time-flex-attention]=25 [async-provenance]=5)
+                  [example-trainer]=40 [hybridep-ranks]=15 [time-grouped-gemm]=20
+                  [time-hybridep]=20 [time-flex-attention]=25 [async-provenance]=5)
 # Every verdict row: check <TAB> stage <TAB> oracle (what PASS means). The helpers write the
 # same check names (their CHECKS lists; tests/train_env/test_gpu_check.py holds them equal).
 GG="every group elementwise within tol of an fp32 reference, >=1.10x torch._grouped_mm, >=60% of the bf16 matmul rate"
@@ -84,6 +90,7 @@ row() { EXPECTED+=("$1"$'\t'"$2"$'\t'"$3"); }  # check stage oracle
 row 'kernels build (both libraries)' build 'both libraries load from the carried cache or build'
 row 'GPU tests (ART_REQUIRE_GPU=1, skips fail)' gpu-tests 'pytest -m gpu on the selected files: all pass, none skipped'
 row 'Megatron GPU twins (carried megatron-core)' megatron-gpu-tests 'pytest -m gpu on the Megatron twins: all pass, none skipped'
+row 'Pipeline RL example trainer on CUDA (recorded rollouts)' example-trainer 'pytest -m gpu tests/examples/test_trainer_on_device.py: NCCL, no stand-ins; loss finite and falling; parameters, grad buffers, logprobs, token weight on the GPU'
 row 'grouped GEMM fwd (uniform)' time-grouped-gemm "$GG"
 row 'grouped GEMM dgrad (uniform)' time-grouped-gemm "$GG"
 row 'grouped GEMM wgrad (uniform)' time-grouped-gemm "$GG"
@@ -295,18 +302,24 @@ main() {
 
   # GPU tests: the gpu-marked files that need torch + our packages, then the Megatron twins
   # (megatron-core from the carry on PYTHONPATH, no transformer_engine)
-  local -a gpu_tests meg_tests
+  local -a gpu_tests meg_tests example_tests
   mapfile -t gpu_tests < <(gpu_files "${GPU_TEST_PATHS[@]}")
   mapfile -t meg_tests < <(gpu_files "${MEGATRON_TEST_PATHS[@]}")
+  mapfile -t example_tests < <(gpu_files "${EXAMPLE_TEST_PATHS[@]}")
   echo
-  echo "gpu_check: ${#gpu_tests[@]} GPU test file(s), ${#meg_tests[@]} Megatron twin file(s)"
+  echo "gpu_check: ${#gpu_tests[@]} GPU test file(s), ${#meg_tests[@]} Megatron twin file(s), ${#example_tests[@]} example trainer file(s)"
   if ((DRY)); then
     collect_dry gpu-tests "${gpu_tests[@]}"
     collect_dry megatron-gpu-tests "${meg_tests[@]}"
+    collect_dry example-trainer "${example_tests[@]}"
   fi
   pytest_stage gpu-tests "GPU tests (ART_REQUIRE_GPU=1, skips fail)" gpu_tests "${gpu_tests[@]}"
   pytest_stage megatron-gpu-tests "Megatron GPU twins (carried megatron-core)" megatron_gpu_tests \
     "${meg_tests[@]}"
+  # the example's trainer steps on the GPU (tests/examples/test_trainer_on_device.py, cuda
+  # case): recorded rollouts, no vLLM; megatron-core from the carry like the twins above
+  pytest_stage example-trainer "Pipeline RL example trainer on CUDA (recorded rollouts)" \
+    example_trainer "${example_tests[@]}"
 
   # HybridEP with real rank processes (IPC, barriers), then the kernels timed alone
   run_stage hybridep-ranks "$PY" bench/gpu_check_hybridep.py --ranks --verdicts "$VERDICTS"

@@ -3,8 +3,9 @@ worker of every engine, no files in between.
 
 Why: a files update needs a directory the server can read (one host, or a shared file
 system). A stream needs only a TCP path from the workers to the trainer: the trainer (rank
-0) hosts the group's store, every worker joins it once (`connect`), and each update is one
-`POST /art/v1/weights/update` with the stream's plan plus the stream itself
+0) hosts the group at an address the workers can reach (`connect(host=)`; loopback, the
+default, reaches workers on the trainer's host only), every worker joins it once, and each
+update is one `POST /art/v1/weights/update` with the stream's plan plus the stream itself
 (`art_protocol.weight_transfer` defines both). The server answers that request once the
 update committed on every engine or on none, with the same receipts, compare-and-swap,
 operation ids and per-token base versions as a files update.
@@ -27,6 +28,8 @@ Needs torch; no vLLM, no Megatron.
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -52,6 +55,39 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+#: Where the group is hosted unless `connect` is told otherwise: workers on this host only.
+LOOPBACK = "127.0.0.1"
+
+
+def _check_host(host: str) -> None:
+    """Refuse an address no worker can connect to: empty, or a listener's "any address"."""
+    try:
+        unspecified = ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:  # a host name: resolved by the store and by the workers
+        unspecified = not host.strip()
+    if unspecified:
+        raise ValueError(
+            f"host {host!r} is no address the workers can connect to: give the trainer's "
+            "address on the workers' network (the group was not opened)"
+        )
+
+
+def _gloo_group(store, world: int, host: str, timeout: datetime.timedelta):
+    """Rank 0's gloo group, its device bound to `host`: the address gloo announces to the
+    workers for its connections is then the one they were told to reach, not whatever this
+    machine's host name resolves to (often 127.0.1.1, unreachable from another host).
+    GLOO_SOCKET_IFNAME, when set, wins (torch's own override). Private torch names (none
+    of vLLM's or Megatron's): `ProcessGroupGloo._Options` and its `_devices` / `_timeout`,
+    as torch's own gloo tests set them; torch has no public constructor taking a device."""
+    dist = torch.distributed
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo(store, 0, world, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, 0, world, options)
+
+
 class GlooWeightSender:
     """Rank 0 of the group: `connect` once, then `send` each version."""
 
@@ -68,12 +104,19 @@ class GlooWeightSender:
         client,
         *,
         workers: int,
-        host: str = "127.0.0.1",
+        host: str = LOOPBACK,
         port: int = 0,
         timeout_s: float = 600.0,
     ) -> GlooWeightSender:
         """Open the group on `host:port` (0: a free port) for `workers` workers (every worker
-        of every engine of the server `client` talks to) and have them join it."""
+        of every engine of the server `client` talks to) and have them join it.
+
+        `host`: an address of this machine that every worker can reach: the workers are
+        told to connect to it (`master_address`), and the group's gloo device is bound to
+        it. The default, loopback, reaches workers on this host only (one-host runs, the
+        tests); a server on other hosts needs this host's address on their network (the
+        example's `--trainer-host`). Raises ValueError for an empty or wildcard address."""
+        _check_host(host)
         timeout = datetime.timedelta(seconds=timeout_s)
         dist = torch.distributed
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
@@ -86,7 +129,7 @@ class GlooWeightSender:
         }
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(client.init_weight_transfer, init_info, timeout=timeout_s)
-            group = dist.ProcessGroupGloo(dist.PrefixStore(GROUP_PREFIX, store), 0, world, timeout)
+            group = _gloo_group(dist.PrefixStore(GROUP_PREFIX, store), world, host, timeout)
             joined.result()
         return cls(client, store, group, world)
 

@@ -9,15 +9,19 @@ relative to the group) and some reward variance.
 Rank 0 alone runs the rollout workers and takes groups off the queue until the target is
 accepted; `share` broadcasts the accepted groups as plain records and each rank trains on
 every `world`-th one (rank r: groups r, r + world, ...), so each rank packs its own rows and
-the data-parallel gradient is over the whole batch.
+the data-parallel gradient is over the whole batch. `pack_for_step` packs them on the host (the
+packer is numpy) and moves every tensor of the rows, and the temperature grid, to the rank's
+device in one copy each.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from grpo import temperature_grid
 from loop_config import LoopConfig
 from stats import token_ages
 from task import group_advantages
@@ -134,3 +138,26 @@ def to_packing_groups(groups: list[AcceptedGroup]):
             temperatures.append(group.temperature)
         out.append(TrajectoryGroup(members))
     return out, temperatures
+
+
+def on_device(packed, device):
+    """The `PackedBatch` with every tensor field on `device` (its host-side trajectory
+    positions and stats as they are). Route tensors are not moved: the example trains no MoE."""
+    if packed.routes is not None:
+        raise ValueError("on_device moves no route tensors: this batch carries routes")
+    moved = {
+        f.name: getattr(packed, f.name).to(device)
+        for f in dataclasses.fields(packed)
+        if isinstance(getattr(packed, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(packed, **moved)
+
+
+def pack_for_step(groups: list[AcceptedGroup], cfg: LoopConfig, vocab_size: int, device):
+    """This rank's groups as packed prefix-tree rows on `device`, and the [rows, seq] grid of
+    each position's sampling temperature there too."""
+    from art_megatron_ext.packing import PackingConfig, pack_groups
+
+    packing_groups, temps = to_packing_groups(groups)
+    packed = pack_groups(packing_groups, PackingConfig(seq_len=cfg.seq_len, vocab_size=vocab_size))
+    return on_device(packed, device), temperature_grid(packed, temps, device)

@@ -40,28 +40,32 @@ class LossTerms:
 def packed_logprobs(model, packed, attention: str, temperature: torch.Tensor) -> torch.Tensor:
     """[rows, seq] logprob of every token under the model at its group's sampling temperature,
     read at its predecessor's logits (0 where a token is not trained: prompt tokens, padding,
-    tokens too stale to train). `temperature` is [rows, seq]: each position's group's
-    temperature (1 on padding); a token's logits are divided by the temperature at its
-    predecessor's position, which belongs to the same group."""
+    tokens too stale to train). `temperature` is [rows, seq] on the rows' device: each
+    position's group's temperature (1 on padding); a token's logits are divided by the
+    temperature at its predecessor's position, which belongs to the same group. The division
+    happens in fp32 inside the chunked normalisation (`predecessor_logprobs(temperature=)`),
+    after the logits are upcast, as vLLM's sampler does: dividing bf16 logits first would
+    round the quotient to bf16."""
+    from art_megatron_ext.packing import predecessor_logprobs
+
     if attention == "tree":
-        from art_megatron_ext.packing import TreePackedSeqParams, predecessor_logprobs
+        from art_megatron_ext.packing import TreePackedSeqParams
 
         params = TreePackedSeqParams.from_batch(packed)
         logits = model(packed.tokens, packed.input_pos, None, packed_seq_params=params)
-        logits = logits / temperature[..., None].to(logits.dtype)
-        return predecessor_logprobs(
-            logits, packed.tokens, packed.predecessor, packed.assistant_mask
-        )
-    from art_megatron_ext.packing import tree_attention_mask
+    else:
+        from art_megatron_ext.packing import tree_attention_mask
 
-    blocked = ~tree_attention_mask(packed.subtree_end.long())[:, None]  # True = masked
-    model.module.rotary_pos_emb.positions = packed.input_pos
-    logits = model(packed.tokens, packed.input_pos, blocked)  # [rows, seq, vocab]
-    logp = torch.log_softmax(logits.float() / temperature[..., None], dim=-1)
-    pred = packed.predecessor.long().clamp(min=0)
-    rows = torch.arange(logp.shape[0])[:, None]
-    out = logp[rows, pred, packed.tokens]
-    return torch.where(packed.assistant_mask, out, torch.zeros_like(out))
+        blocked = ~tree_attention_mask(packed.subtree_end.long())[:, None]  # True = masked
+        model.module.rotary_pos_emb.positions = packed.input_pos
+        logits = model(packed.tokens, packed.input_pos, blocked)  # [rows, seq, vocab]
+    return predecessor_logprobs(
+        logits,
+        packed.tokens,
+        packed.predecessor,
+        packed.assistant_mask,
+        temperature=temperature,
+    )
 
 
 def loss_terms(
@@ -91,14 +95,15 @@ def loss_terms(
     )
 
 
-def temperature_grid(packed, temperatures: list[float]) -> torch.Tensor:
-    """[rows, seq] float32: trajectory k's positions (`packed.trajectory_positions[k]`) get
-    `temperatures[k]`; positions of no trajectory (padding) get 1."""
-    grid = torch.ones(packed.tokens.shape, dtype=torch.float32)
+def temperature_grid(packed, temperatures: list[float], device=None) -> torch.Tensor:
+    """[rows, seq] float32 on `device` (default the host): trajectory k's positions
+    (`packed.trajectory_positions[k]`) get `temperatures[k]`; positions of no trajectory
+    (padding) get 1. Built on the host from the host-side positions, then moved in one copy."""
+    grid = torch.ones(tuple(packed.tokens.shape), dtype=torch.float32)
     if len(temperatures) != len(packed.trajectory_positions):
         raise ValueError(
             f"{len(temperatures)} temperatures for {len(packed.trajectory_positions)} trajectories"
         )
     for (row, pos), temp in zip(packed.trajectory_positions, temperatures, strict=True):
         grid[row, torch.as_tensor(pos)] = float(temp)
-    return grid
+    return grid if device is None else grid.to(device)

@@ -7,8 +7,27 @@ another Python) reads it back. Everything a run depends on is here, seeds includ
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+#: `device` values: "auto" is CUDA when the trainer process sees a GPU, else CPU
+DEVICES = ("auto", "cuda", "cpu")
+LOOPBACK = "127.0.0.1"
+#: addresses a server's workers cannot connect to (a listener's "any address")
+_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def default_trainer_host() -> str:
+    """run.py's default for `trainer_host`: VLLM_HOST_IP when set, else loopback.
+
+    Why: with `--transport gloo` the server's workers connect to the trainer (rank 0 hosts
+    the weight-transfer group), so the address must be one they can reach. VLLM_HOST_IP is
+    the address vLLM's own multi-node set-ups give a host for its workers' connections; where
+    it is set on the trainer's host, that host is reachable from the workers at it. Loopback
+    only reaches workers on the trainer's own host: right for the demo and the tests, wrong
+    for a server on another machine (then pass --trainer-host)."""
+    return os.environ.get("VLLM_HOST_IP") or LOOPBACK
 
 
 @dataclass(frozen=True)
@@ -33,7 +52,10 @@ class LoopConfig:
     clip_eps: float = 0.2  # PPO clip around the proximal policy (grpo.py)
     tis_cap: float = 2.0  # truncation of the proximal/behaviour importance weight (TIS)
     temperature: float = 1.0  # sampling temperature; the trainer divides its logits by it
-    dp: int = 2  # data-parallel trainer ranks (Megatron DDP + DistributedOptimizer, gloo)
+    dp: int = 2  # data-parallel trainer ranks (Megatron DDP + DistributedOptimizer)
+    #: where each trainer rank runs: "auto" (its LOCAL_RANK's GPU when it sees one, else the
+    #: CPU), "cuda" or "cpu"; NCCL between GPUs, gloo between CPU ranks (placement.py)
+    device: str = "auto"
     overlap: bool = True  # overlap_grad_reduce and overlap_param_gather
     bucket_size: int = 2048  # DDP bucket elements: LoRA spans several buckets, as at scale
     lease_eval_step: int = 3  # pin version N after step N, evaluate it exactly (0: off)
@@ -53,6 +75,10 @@ class LoopConfig:
     #: "gloo" (streamed to the server's workers over the art_gloo weight-transfer group; the
     #: server reads nothing of RUN_DIR)
     transport: str = "files"
+    #: `transport="gloo"`: the address the server's workers reach the trainer's rank 0 at
+    #: (it hosts the group there: `GlooWeightSender.connect(host=)`); run.py's default is
+    #: `default_trainer_host()`
+    trainer_host: str = LOOPBACK
 
     def __post_init__(self) -> None:
         if self.update not in ("lora", "full"):
@@ -66,6 +92,13 @@ class LoopConfig:
             raise ValueError(f"transport must be 'files' or 'gloo', got {self.transport!r}")
         if self.transport == "gloo" and self.update != "full":
             raise ValueError("--transport gloo streams full weights: it needs --update full")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.trainer_host.strip() in _WILDCARDS:
+            raise ValueError(
+                f"trainer_host {self.trainer_host!r} is no address the server's workers can "
+                "connect to: give this host's address on their network"
+            )
         if self.attention not in ("tree", "dense"):
             raise ValueError(f"attention must be 'tree' or 'dense', got {self.attention!r}")
         if self.steps < 1 or self.group_size < 2 or self.dp < 1:

@@ -1,12 +1,15 @@
 """The trainer's model: Megatron GPT + LoRA slot, under Megatron DDP and DistributedOptimizer.
 
-`build_policy` builds the GPT shaped like the tiny model, loads its HF weights, attaches LoRA
-and imports the adapter the server serves as version 0 (both sides start equal).
+`build_policy` builds the GPT shaped like the tiny model, loads its HF weights, moves it to the
+rank's device (`placement.py`), attaches LoRA and imports the adapter the server serves as
+version 0 (both sides start equal).
 `data_parallel` wraps it the way multi-GPU Megatron trainers run: `DistributedDataParallel`
 with the distributed optimizer, `overlap_grad_reduce` and `overlap_param_gather` (LoRA takes
 part in the parameter all-gather like any parameter: `finish_lora_param_sync`), and
 `calculate_per_token_loss`, so that DDP sums gradients and `finalize_model_grads` divides them
 by the global batch's token weight: the loss is normalised over the global batch, not per rank.
+DDP allocates its gradient buffers on the current device: the model's, on CUDA
+(`placement.init_ranks` makes the rank's GPU current).
 """
 
 from __future__ import annotations
@@ -36,9 +39,16 @@ class LogicalRope(torch.nn.Module):
         return table[:, 0, 0, :][self.positions.T].unsqueeze(2)  # [seq, rows, 1, dim]
 
 
-def build_policy(cfg: LoopConfig):
-    """Megatron GPT + HF base weights + LoRA slot `cfg.slot` loaded from `cfg.init_adapter`;
-    with `cfg.full`, no LoRA: every weight trains.
+def build_policy(cfg: LoopConfig, device: torch.device, *, shape=None):
+    """Megatron GPT + HF base weights + LoRA slot `cfg.slot` loaded from `cfg.init_adapter`,
+    on `device`; with `cfg.full`, no LoRA: every weight trains. Returns (model, `GptShape`).
+
+    The GPT is built and loaded on the host (`build_gpt` initialises on CPU), then moved to
+    `device` before LoRA is attached, so the slot's factors and the adapter imported into it
+    are made there.
+
+    `shape`: a `GptShape` to build with random weights (seed `cfg.seed`) and a fresh slot
+    instead of reading `cfg.hf_model` and `cfg.init_adapter` (tests on recorded rollouts).
 
     `cfg.attention == "tree"`: core attention reads the packed prefix tree directly
     (`art_megatron_ext.packing.tree_layer_spec`, no [S, S] mask; RoPE at each token's
@@ -49,7 +59,9 @@ def build_policy(cfg: LoopConfig):
     from art_megatron_ext.lora.hf_weights import load_hf_weights
     from art_megatron_ext.lora.tiny_gpt import GptShape, build_gpt
 
-    shape = GptShape.from_hf_config(cfg.hf_model)
+    checkpoint = shape is None
+    if checkpoint:
+        shape = GptShape.from_hf_config(cfg.hf_model)
     torch.manual_seed(cfg.seed)
     spec = None
     if cfg.attention == "tree":
@@ -59,12 +71,15 @@ def build_policy(cfg: LoopConfig):
 
         spec = tree_layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"))
     model = build_gpt(shape, max_sequence_length=cfg.seq_len, layer_spec=spec)
-    load_hf_weights(model, cfg.hf_model, shape)
+    if checkpoint:
+        load_hf_weights(model, cfg.hf_model, shape)
+    model = model.to(device)
     if not cfg.full:
         for p in model.parameters():
             p.requires_grad_(False)
         attach_lora(model, LoraConfig(rank=8, alpha=8.0, init_seed=cfg.seed, slot=cfg.slot))
-        import_peft(model, cfg.slot, cfg.init_adapter)
+        if checkpoint:
+            import_peft(model, cfg.slot, cfg.init_adapter)
     if cfg.attention == "tree":
         from art_megatron_ext.packing import enable_tree_attention
 

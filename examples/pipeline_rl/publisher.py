@@ -17,7 +17,8 @@ publishes it as the server's new base weights (`ArtClient.update_weights`, the d
 it wrote included). With `--transport gloo` nothing is written: rank 0 takes a host copy of the
 weights in the served model's names (`stream_hf_weights`, a layer at a time) and streams it to
 the server's workers on the background thread (`GlooWeightSender`, connected on the first
-publish), so the server needs no access to the trainer's files.
+publish at `cfg.trainer_host`, the address the workers reach the trainer at), so the server
+needs no access to the trainer's files.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class Publisher:
         self._background = None
         if url is not None:
             if cfg.streamed:
-                self._post = self._streamer(url)
+                self._post = self._streamer(url, cfg.trainer_host)
             elif cfg.full:
                 self._post = self._full_poster(url)
             else:
@@ -98,8 +99,9 @@ class Publisher:
         return post
 
     @staticmethod
-    def _streamer(url: str):
-        """Streams each version over the art_gloo group, opened on the first publish."""
+    def _streamer(url: str, host: str):
+        """Streams each version over the art_gloo group, opened on the first publish at `host`
+        (`cfg.trainer_host`: the address the server's workers reach this process at)."""
         from art_megatron_ext.weights import GlooWeightSender
         from art_protocol.client import ArtClient
 
@@ -109,7 +111,9 @@ class Publisher:
         def stream(ready: StreamReady) -> dict:
             nonlocal sender
             if sender is None:
-                sender = GlooWeightSender.connect(art, workers=SERVER_WORKERS, timeout_s=300)
+                sender = GlooWeightSender.connect(
+                    art, workers=SERVER_WORKERS, host=host, timeout_s=300
+                )
             plan = [(name, t.dtype, tuple(t.shape)) for name, t in ready.tensors.items()]
 
             def produce(sink) -> None:

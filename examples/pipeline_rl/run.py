@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 
-from loop_config import LoopConfig  # noqa: E402
+from loop_config import LoopConfig, default_trainer_host  # noqa: E402
 from report import plot, summarize  # noqa: E402
 from server_view import show  # noqa: E402
 
@@ -66,6 +66,9 @@ def parse_args(argv=None) -> tuple[LoopConfig, argparse.Namespace]:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             parser.add_argument(flag, type=type(f.default), default=f.default)
+    # where the server's workers reach the trainer (--transport gloo): VLLM_HOST_IP when set,
+    # else loopback (this demo's server runs beside the trainer); see default_trainer_host
+    parser.set_defaults(trainer_host=default_trainer_host())
     args = parser.parse_args(argv)
     tiny = Path(args.tiny).resolve()
     values = {f.name: getattr(args, f.name) for f in fields(LoopConfig) if f.name not in skip}
@@ -154,7 +157,8 @@ def start_trainer_ranks(cfg: LoopConfig, python: str, config_path: Path) -> list
     """`cfg.dp` trainer processes with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT), all in one new process group (rank 0's): Ctrl-C here,
     `stop_group` there, and no rank outlives the driver. (torchrun would put each worker in a
-    session of its own.)"""
+    session of its own.) LOCAL_RANK picks a rank's GPU (placement.py); `--device cpu` hides
+    the GPUs from the ranks."""
     env = {
         **os.environ,
         "PYTHONPATH": f"{HERE}{os.pathsep}{REPO}",
@@ -164,6 +168,8 @@ def start_trainer_ranks(cfg: LoopConfig, python: str, config_path: Path) -> list
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
     }
+    if cfg.device == "cpu":  # the ranks must not see a GPU: the CPU stand-ins refuse one
+        env["CUDA_VISIBLE_DEVICES"] = ""
     ranks: list[subprocess.Popen] = []
     try:
         for rank in range(cfg.dp):

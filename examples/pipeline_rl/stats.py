@@ -40,6 +40,33 @@ def token_ages(spans: Sequence[dict], num_tokens: int, current: int) -> np.ndarr
     return ages
 
 
+def local_ratios(lp, packed, mine) -> dict:
+    """This rank's trained tokens: trainer/behaviour ratio (the trainer's weights before the
+    step), age, and whether the whole completion was fresh. `lp`: the step's [rows, seq]
+    logprobs (a torch tensor on the trainer's device), `packed` the rows, `mine` this rank's
+    groups (`batches.AcceptedGroup`) in packing order."""
+    lp_np = lp.detach().cpu().numpy()  # the one host copy of the step's logprobs
+    ratios, ages, whole = [], [], []
+    k = 0
+    for group in mine:
+        p = len(group.prompt)
+        for m in group.members:
+            row, pos = packed.trajectory_positions[k]
+            k += 1
+            t = m.trained
+            ratios.append(np.exp(lp_np[row, pos[p:]][t] - np.asarray(m.logprobs)[t]))
+            ages.append(m.ages[t])
+            whole.append(np.full(int(t.sum()), bool((m.ages == 0).all())))
+    return {
+        "ratios": np.concatenate(ratios),
+        "ages": np.concatenate(ages),
+        "whole": np.concatenate(whole),
+        "rows": packed.stats.rows,
+        "physical": packed.stats.physical_tokens,
+        "logical": packed.stats.logical_tokens,
+    }
+
+
 def ratio_stats(
     ratios: np.ndarray, ages: np.ndarray, whole_fresh: np.ndarray, clip_eps: float
 ) -> dict:

@@ -5,9 +5,10 @@
 
 `run.py` starts `cfg.dp` of them with those variables (the same ones `torchrun` sets: a team
 launches this file with `torchrun --nproc-per-node N` on its GPUs); without them it runs as a
-single rank. Here, on CPU, the ranks talk over gloo and Megatron's CUDA-only calls are stood in
-for (`art_megatron_ext.cpu_stand_in`); on GPUs a trainer uses NCCL, sets its device and enters
-neither stand-in.
+single rank. Where each rank runs is one choice, `cfg.device` (`placement.py`): on a GPU host
+(default "auto") rank r trains on GPU LOCAL_RANK and the ranks talk over NCCL; on a host
+without one (or with `--device cpu`) they talk over gloo and Megatron's CUDA-only calls are
+stood in for (`art_megatron_ext.cpu_stand_in`), which never happens on a GPU.
 
 What it does, in order:
 1. Builds the Megatron GPT + LoRA policy on every rank (`policy.build_policy`) and wraps it in
@@ -20,20 +21,19 @@ What it does, in order:
    the end.
 3. Per step: rank 0 takes groups off the queue until the target is accepted (`batches.py`:
    per-token age filter, zero-variance groups dropped) and shares them out; each rank packs
-   its groups as prefix trees, computes its logprobs at each group's sampling temperature and
-   the GRPO objective with TIS and proximal clipping (`grpo.py`); DDP reduces the gradients,
+   its groups as prefix trees on its device (`batches.pack_for_step`), computes its logprobs
+   at each group's sampling temperature (divided in fp32 inside the chunked logprobs) and the
+   GRPO objective with TIS and proximal clipping (`grpo.py`); DDP reduces the gradients,
    `finalize_model_grads` divides them by the global batch's token weight, one optimizer
-   step. Then every rank takes part in the export (`publisher.py`), rank 0 publishes it in
-   flight (`ArtClient.update`) while the optimizer checkpoint is written, prints one line and
-   appends one JSON record to RUN_DIR/metrics.jsonl.
+   step (`step.py`). Then every rank takes part in the export (`publisher.py`), rank 0
+   publishes it in flight (`ArtClient.update`) while the optimizer checkpoint is written,
+   prints one line and appends one JSON record to RUN_DIR/metrics.jsonl.
 4. Rank 0 writes RUN_DIR/summary.json; every rank stops its threads (also on error).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
@@ -41,14 +41,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from batches import share, take_batch, to_packing_groups
-from grpo import loss_terms, packed_logprobs, temperature_grid
+from batches import pack_for_step, share, take_batch
 from lease_eval import LeaseEvaluation
 from loop_config import LoopConfig
+from placement import choose, init_ranks, local_rank, megatron_runtime
 from policy import build_policy, data_parallel
 from publisher import Publisher
 from rollouts import GroupQueue, RolloutWorkers
-from stats import ratio_stats, score, step_line
+from stats import local_ratios, ratio_stats, score, step_line
+from step import train_step
 from task import TargetTokenTask
 
 
@@ -60,79 +61,6 @@ def wait_for_server(run_dir: Path, timeout_s: float = 600) -> str:
             raise TimeoutError(f"{path} did not appear within {timeout_s:.0f}s")
         time.sleep(0.2)
     return json.loads(path.read_text())["url"]
-
-
-def init_ranks(tmp: str) -> tuple[int, int]:
-    """(rank, world): from torchrun's variables when they are set, else a single rank."""
-    if "WORLD_SIZE" in os.environ:
-        torch.distributed.init_process_group("gloo")
-    else:
-        torch.distributed.init_process_group(
-            "gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1
-        )
-    return torch.distributed.get_rank(), torch.distributed.get_world_size()
-
-
-def cpu_stand_ins() -> contextlib.ExitStack:
-    """Megatron's CUDA-only calls stood in for (this example runs on CPU; never on a GPU)."""
-    from art_megatron_ext.cpu_stand_in import cpu_shim, cuda_tensor_type_names
-    from art_megatron_ext.lora.cpu_runtime import cpu_megatron
-
-    stack = contextlib.ExitStack()
-    for ctx in (cpu_shim(), cuda_tensor_type_names(), cpu_megatron()):
-        stack.enter_context(ctx)
-    return stack
-
-
-def train_step(ddp, optimizer, packed, temperature, cfg: LoopConfig):
-    """One optimizer step on this rank's rows; returns (logprobs, loss terms, global weight).
-    Collective: DDP's gradient reduce-scatter, the weight's all-reduce, the optimizer's
-    all-gather."""
-    from megatron.core.distributed import finalize_model_grads
-
-    from art_megatron_ext.lora import zero_lora_padding_
-    from art_megatron_ext.lora.slots import activate_slot
-
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    # `--update full`: no LoRA slot, every weight trains
-    with contextlib.nullcontext() if cfg.full else activate_slot(ddp.module, cfg.slot):
-        lp = packed_logprobs(ddp, packed, cfg.attention, temperature)
-        terms = loss_terms(lp, packed, cfg.clip_eps, cfg.tis_cap)
-    terms.loss_sum.backward()
-    weight = terms.weight_sum.clone()
-    finalize_model_grads([ddp], num_tokens=weight)  # all-reduces `weight`, grads /= it
-    zero_lora_padding_(ddp.module, optimizer)
-    ok, _, _ = optimizer.step()
-    if not ok:
-        raise RuntimeError("the optimizer skipped its step (non-finite gradients)")
-    zero_lora_padding_(ddp.module, optimizer)
-    return lp, terms, weight
-
-
-def local_ratios(lp: torch.Tensor, packed, mine) -> dict:
-    """This rank's trained tokens: trainer/behaviour ratio (the trainer's weights before the
-    step), age, and whether the whole completion was fresh."""
-    lp_np = lp.detach().numpy()
-    ratios, ages, whole = [], [], []
-    k = 0
-    for group in mine:
-        p = len(group.prompt)
-        for m in group.members:
-            row, pos = packed.trajectory_positions[k]
-            k += 1
-            t = m.trained
-            ratios.append(np.exp(lp_np[row, pos[p:]][t] - np.asarray(m.logprobs)[t]))
-            ages.append(m.ages[t])
-            whole.append(np.full(int(t.sum()), bool((m.ages == 0).all())))
-    return {
-        "ratios": np.concatenate(ratios),
-        "ages": np.concatenate(ages),
-        "whole": np.concatenate(whole),
-        "rows": packed.stats.rows,
-        "physical": packed.stats.physical_tokens,
-        "logical": packed.stats.logical_tokens,
-    }
 
 
 def gather_to_rank0(local: dict, rank: int, world: int) -> list[dict] | None:
@@ -197,22 +125,23 @@ def main(config_path: str) -> int:
 
     from art_megatron_ext.optim.resident import ResidentKey, ResidentOptimizerStore
     from art_megatron_ext.optim.schedule import SaveSchedule
-    from art_megatron_ext.packing import PackingConfig, pack_groups
 
     cfg = LoopConfig.load(config_path)
     run_dir = cfg.path
     t_start = time.monotonic()
-    torch.set_num_threads(1)  # the other core drives the server
+    placement = choose(cfg.device, local_rank=local_rank())
+    if not placement.on_cuda:
+        torch.set_num_threads(1)  # the other core drives the server
     with tempfile.TemporaryDirectory(prefix="art_loop_") as tmp:
-        rank, world = init_ranks(tmp)
+        rank, world = init_ranks(placement, tmp)
         if world != cfg.dp:
             raise SystemExit(f"started as {world} ranks, the config says dp={cfg.dp}")
         lead = rank == 0
         parallel_state.initialize_model_parallel(1, 1)  # TP 1, PP 1: data parallel `world`
         workers = tuner = publisher = lease = None
         try:
-            with cpu_stand_ins():
-                model, shape = build_policy(cfg)
+            with megatron_runtime(placement, cfg.seed):
+                model, shape = build_policy(cfg, placement.device)
                 ddp, make_optimizer = data_parallel(model, cfg)
                 store = ResidentOptimizerStore()
                 key = ResidentKey(run_dir.name, "rl", run_dir / "optimizer")
@@ -221,7 +150,8 @@ def main(config_path: str) -> int:
                 t_ready, ready_at = time.monotonic(), time.time()
                 if lead:
                     print(
-                        f"[trainer] {world} rank(s) ready in {t_ready - t_start:.1f}s "
+                        f"[trainer] {world} rank(s) on {placement.device.type} "
+                        f"({placement.backend}) ready in {t_ready - t_start:.1f}s "
                         f"(optimizer {state.residency.value}); waiting for the server",
                         flush=True,
                     )
@@ -269,12 +199,9 @@ def main(config_path: str) -> int:
                             accepted, drops = take_batch(queue, workers, cfg, version, target)
                         groups, mine = share(accepted, rank, world)
                         wait_s = time.monotonic() - t0
-                        packing_groups, temps = to_packing_groups(mine)
-                        packed = pack_groups(
-                            packing_groups,
-                            PackingConfig(seq_len=cfg.seq_len, vocab_size=shape.vocab_size),
+                        packed, temperature = pack_for_step(
+                            mine, cfg, shape.vocab_size, placement.device
                         )
-                        temperature = temperature_grid(packed, temps)
                         lp, terms, weight = train_step(ddp, optimizer, packed, temperature, cfg)
                         t_trained = time.monotonic()
                         sums = torch.stack(
@@ -327,6 +254,7 @@ def main(config_path: str) -> int:
                     summary = {
                         "steps": cfg.steps,
                         "dp": world,
+                        "device": placement.device.type,
                         "updates_published": publisher.published,
                         "pushed": cfg.push,  # the versions' files travelled in the requests
                         "optimizer_saves": saved,

@@ -21,8 +21,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_check.sh"
 STAGES = (
-    "preflight", "build", "gpu-tests", "megatron-gpu-tests", "hybridep-ranks",
-    "time-grouped-gemm", "time-hybridep", "time-flex-attention", "async-provenance",
+    "preflight", "build", "gpu-tests", "megatron-gpu-tests", "example-trainer",
+    "hybridep-ranks", "time-grouped-gemm", "time-hybridep", "time-flex-attention",
+    "async-provenance",
 )  # fmt: skip
 
 
@@ -115,13 +116,15 @@ def test_dry_run_selects_gpu_tests_without_collection_errors(dry_run):
     """Both test stages select gpu-marked files (Megatron twins included) that collect here
     and import nothing the GPU image lacks (hypothesis, transformer_engine, vLLM)."""
     text = dry_run[0].stdout
-    for stage in ("gpu-tests", "megatron-gpu-tests"):
+    for stage in ("gpu-tests", "megatron-gpu-tests", "example-trainer"):
         found = re.search(rf"^{stage}: (\d+) test\(s\) selected by -m gpu", text, re.M)
         assert found and int(found.group(1)) > 0, stage
         assert f"{stage}: FAIL" not in text
     assert "tests/hybridep/test_layout_gpu.py" in text  # a file, not the hypothesis module
     assert "tests/hybridep/test_layout.py" not in text
     assert "test_no_host_syncs_gpu.py" in text
+    assert "test_hf_stream_gpu.py::test_a_model_on_the_device_streams_from_the_device[cuda]" in text
+    assert "test_trainer_on_device.py::test_the_example_trainer_learns_on_its_device[cuda]" in text
 
 
 def test_dry_run_plan_gives_every_row_its_stage_oracle_and_time(dry_run):
@@ -141,6 +144,7 @@ def _all_checks() -> list[str]:
         "kernels build (both libraries)",
         "GPU tests (ART_REQUIRE_GPU=1, skips fail)",
         "Megatron GPU twins (carried megatron-core)",
+        "Pipeline RL example trainer on CUDA (recorded rollouts)",
         *_helper_checks("gpu_check_grouped_gemm"),
         *_helper_checks("gpu_check_hybridep"),
         *_helper_checks("gpu_check_flex_attention"),
