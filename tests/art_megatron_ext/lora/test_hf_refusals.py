@@ -136,5 +136,5 @@ def test_a_missing_lm_head_of_an_untied_config_is_refused(megatron_world, tmp_pa
     del tensors["lm_head.weight"]
     save_file(tensors, str(ckpt / "model.safetensors"))
     torch.manual_seed(0)
-    with pytest.raises(UnmappedWeights, match="the checkpoint has no tensor 'lm_head.weight'"):
+    with pytest.raises(UnmappedWeights, match=r"the checkpoint has no tensor 'lm_head\.weight'"):
         load_hf_weights(build_gpt(shape), ckpt, shape)
