@@ -9,7 +9,10 @@ in bf16 safetensors like the published checkpoints. Norms are moved away from 1 
 away from 0 (HF initialises them to exactly that), so a dropped or swapped one changes logits.
 
 The vocabulary (1030 rows) is a multiple of neither 4 nor 128: Megatron pads it
-(`make_vocab_size_divisible_by`), and the padding must never reach the served model.
+(`make_vocab_size_divisible_by`), and the padding must never reach the served model. Every
+head is 32 wide: vLLM's CPU attention runs head sizes 32, 64, 80 and up only (16 starts, then
+fails the first request: "Unsupported CPU attention configuration: head_dim=16"), and the zoo
+is served too (tests/cross_env/test_model_zoo_serving.py).
 
 Both environments use it (transformers is in the `dev` extra). Not collected by pytest.
 """
@@ -22,8 +25,8 @@ from pathlib import Path
 ZOO_VOCAB = 1030
 _COMMON = dict(
     vocab_size=ZOO_VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
+    hidden_size=128,
+    intermediate_size=256,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
@@ -49,11 +52,11 @@ LLAMA3_ROPE = dict(
 # docstring line below.
 ZOO: dict[str, tuple[str, dict]] = {
     # Llama-3.1: rope llama3 scaling, untied, GQA
-    "llama3.1": ("LlamaConfig", dict(_COMMON, head_dim=16, rope_parameters=LLAMA3_ROPE)),
+    "llama3.1": ("LlamaConfig", dict(_COMMON, head_dim=32, rope_parameters=LLAMA3_ROPE)),
     # Llama-3.2 (1B/3B): the same plus tied embeddings
     "llama3.2": (
         "LlamaConfig",
-        dict(_COMMON, head_dim=16, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True),
+        dict(_COMMON, head_dim=32, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True),
     ),
     # Qwen2.5: q/k/v biases (no o_proj bias), tied embeddings, rope theta 1e6
     "qwen2.5": (
@@ -69,6 +72,8 @@ ZOO: dict[str, tuple[str, dict]] = {
         "Qwen3Config",
         dict(
             _COMMON,
+            hidden_size=64,
+            intermediate_size=128,
             head_dim=32,
             rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0),
         ),
@@ -78,7 +83,7 @@ ZOO: dict[str, tuple[str, dict]] = {
         "Qwen3MoeConfig",
         dict(
             _COMMON,
-            head_dim=16,
+            head_dim=32,
             num_experts=8,
             num_experts_per_tok=2,
             norm_topk_prob=True,
