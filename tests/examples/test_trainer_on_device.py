@@ -24,7 +24,6 @@ bench/gpu_check.sh's `example-trainer` stage, with the carried megatron-core.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
 import sys
@@ -33,6 +32,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.devices import cpu_and_cuda
+from support.gpt_shapes import TINY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "pipeline_rl"))
 
@@ -49,40 +50,11 @@ STEPS = 5
 #: CPU: -0.022, -0.107, -0.225, -0.316, -0.356; at 5e-2 it overshoots after the first step)
 LR = 5e-3
 VOCAB = 256
-#: the tiny GPT of the LoRA tests (support.gpt_shapes.TINY): hidden 128, 2 layers, GQA
-SHAPE = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    vocab_size=VOCAB,
-)
+SHAPE = dict(TINY, vocab_size=VOCAB)  # the tiny GPT of the LoRA tests: hidden 128, GQA
 GROUPS = ((1.0, 0), (0.7, 1))  # (sampling temperature, seed) per recorded group
 GROUP_SIZE, PROMPT_LEN, COMPLETION_LEN = 4, 8, 12
 
-_HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(
-            torch.cuda.is_available(),
-            reason="the CPU stand-ins refuse a GPU host; the cuda case runs here instead",
-        ),
-    ),
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(
-                not (torch.cuda.is_available() and _HAVE_MEGATRON),
-                reason="needs a CUDA GPU and megatron-core (on the GPU machine from the "
-                "carry, bench/gpu_check.sh); the cpu case is its twin",
-            ),
-        ],
-    ),
-]
+DEVICES = cpu_and_cuda()
 
 
 def recorded_groups(cfg: LoopConfig) -> list[AcceptedGroup]:

@@ -21,15 +21,9 @@ from art_megatron_ext.lora.hf_config import UnmappedConfig, padded_vocab_size, r
 from art_megatron_ext.lora.tiny_gpt import GptShape
 
 LLAMA = dict(
+    TINY,
     model_type="llama",
     architectures=["LlamaForCausalLM"],
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    vocab_size=256,
     hidden_act="silu",
     rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

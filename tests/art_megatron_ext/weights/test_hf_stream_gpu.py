@@ -13,13 +13,11 @@ the same code and checks with the model on CPU, in CI.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import pytest
 import torch
+from support.devices import cpu_and_cuda
 from support.gpt_shapes import TINY
-
-_HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
 
 
 def _world(device: str):
@@ -46,22 +44,7 @@ def _stream(model, shape) -> tuple[list, set, object]:
     return got, devices, receipt
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(
-                    not (torch.cuda.is_available() and _HAVE_MEGATRON),
-                    reason="needs a CUDA GPU and megatron-core; the cpu case is its twin",
-                ),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", cpu_and_cuda())
 def test_a_model_on_the_device_streams_from_the_device(device):
     from megatron.core.transformer.module import Float16Module
 
