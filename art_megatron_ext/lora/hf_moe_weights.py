@@ -11,9 +11,11 @@ top-k MoE layers of `SequentialMLP` experts elsewhere, and copies the HF weights
 - HF's router is softmax over all experts, top-k, then renormalized when `norm_topk_prob`:
   that is Megatron's top-k on the logits followed by a softmax over the k (`pre_softmax`
   off), so the same experts and weights; without `norm_topk_prob` it is `pre_softmax` on.
-Pipeline and expert parallelism are supported (a stage loads its own layers, found by their
-global `layer_number`; an expert-parallel rank loads its own experts); tensor parallel size 1
-only.
+Pipeline, expert and tensor parallelism are supported (a stage loads its own layers, found by
+their global `layer_number`; an expert-parallel rank loads its own experts; a tensor-parallel
+rank its shards of attention, dense MLPs and vocabulary, an expert-tensor-parallel rank its
+shards of every expert). At TP > 1 Megatron requires sequence parallelism with MoE, so
+`build_moe_gpt` turns it on with sequence-parallel norms.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from pathlib import Path
 import torch
 
 from .hf_config import UnmappedConfig, check_dense, read_config, rope_inv_freq, rope_of
-from .hf_layout import fuse_b_shard, fused_qkv
-from .hf_weights import _read_safetensors
+from .hf_layout import FUSED_GATE_UP, fuse_b_shard, fused_qkv
+from .hf_weights import _read_safetensors, _Reads
 
 #: Qwen3-MoE fields mapped here beyond the dense ones (`hf_config.DENSE_FIELDS`).
 MOE_FIELDS = frozenset(
@@ -119,13 +121,23 @@ def build_moe_gpt(
     pipeline stage; Megatron's parallel state must be set. `config_overrides` go to the
     `TransformerConfig` (parallel sizes, recompute, `moe_enable_routing_replay`, ...).
     `grouped_experts`: the experts are one `ArtGroupedMLP` per layer (`art_moe_layer_spec`)
-    instead of Megatron's `SequentialMLP`; the loader and the stream map both."""
+    instead of Megatron's `SequentialMLP`; the loader and the stream map both. The tensor and
+    expert-tensor parallel sizes default to the parallel state's; at TP > 1 sequence
+    parallelism is on (Megatron requires it with MoE) and the norms are sequence-parallel.
+    """
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    tp = config_overrides.setdefault(
+        "tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()
+    )
+    config_overrides.setdefault(
+        "expert_tensor_parallel_size", parallel_state.get_expert_tensor_parallel_world_size()
+    )
+    config_overrides.setdefault("sequence_parallel", tp > 1)
     config = TransformerConfig(
         num_layers=shape.num_hidden_layers,
         hidden_size=shape.hidden_size,
@@ -165,6 +177,8 @@ def build_moe_gpt(
         **config_overrides,
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if config.sequence_parallel:
+        spec = _sequence_parallel_norms(spec)
     if grouped_experts:
         spec = _with_grouped_experts(spec, shape.num_experts)
     from .tiny_gpt import set_rope_inv_freq
@@ -182,6 +196,28 @@ def build_moe_gpt(
     )
     set_rope_inv_freq(model, rope_inv_freq(shape.head_dim, shape.rope_theta, None))
     return model
+
+
+def _sequence_parallel_norms(block):
+    """`block` with every RMSNorm (layer, final and q/k norms) as `SequenceParallelRMSNorm`:
+    Megatron's torch norm refuses `sequence_parallel`, which MoE at TP > 1 requires."""
+    import dataclasses
+
+    from .tiny_gpt import SequenceParallelRMSNorm as Norm
+
+    layers = []
+    for layer in block.layer_specs:
+        sub = layer.submodules
+        attn = sub.self_attention
+        attn = dataclasses.replace(
+            attn,
+            submodules=dataclasses.replace(attn.submodules, q_layernorm=Norm, k_layernorm=Norm),
+        )
+        sub = dataclasses.replace(
+            sub, input_layernorm=Norm, pre_mlp_layernorm=Norm, self_attention=attn
+        )
+        layers.append(dataclasses.replace(layer, submodules=sub))
+    return dataclasses.replace(block, layer_specs=layers, layer_norm=Norm)
 
 
 def _with_grouped_experts(block, num_experts: int):
@@ -217,36 +253,55 @@ def grouped_expert_state(state: dict[str, torch.Tensor], shape: MoeShape) -> dic
 
 
 def megatron_moe_state_from_hf(
-    hf: dict[str, torch.Tensor], shape: MoeShape
+    hf: dict[str, torch.Tensor],
+    shape: MoeShape,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    etp_rank: int = 0,
+    etp_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """Megatron GPT state-dict entries (TP = EP = 1) from HF Qwen3-MoE tensors."""
+    """Megatron GPT state-dict entries from HF Qwen3-MoE tensors: this tensor-parallel rank's
+    shards of the attention, dense MLPs and vocabulary, and this expert-tensor-parallel rank's
+    shards of every expert (all experts, in global names; a loader keeps its EP share)."""
     qkv = fused_qkv(shape)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(tp_size, dim=0)[tp_rank]
+
     out = {
-        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+        "embedding.word_embeddings.weight": rows(hf["model.embed_tokens.weight"]),
         "decoder.final_layernorm.weight": hf["model.norm.weight"],
-        "output_layer.weight": hf["lm_head.weight"],
+        "output_layer.weight": rows(hf["lm_head.weight"]),
     }
     for i in range(shape.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
         q, k, v = (hf[h + f"self_attn.{p}_proj.weight"] for p in "qkv")
-        out[m + "self_attention.linear_qkv.weight"] = fuse_b_shard(qkv, [q, k, v], 0, 1)
-        out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"]
+        out[m + "self_attention.linear_qkv.weight"] = fuse_b_shard(qkv, [q, k, v], tp_rank, tp_size)
+        out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"].chunk(
+            tp_size, dim=1
+        )[tp_rank]
         out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
         out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
         if i in shape.dense_layers:
-            gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
-            out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
-            out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+            out.update(_mlp(hf, h + "mlp.", m + "mlp.", tp_rank, tp_size))
             continue
         out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
         for e in range(shape.num_experts):
             x, me = f"{h}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
-            gate, up = hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]
-            out[me + "linear_fc1.weight"] = torch.cat([gate, up])
-            out[me + "linear_fc2.weight"] = hf[x + "down_proj.weight"]
+            out.update(_mlp(hf, x, me, etp_rank, etp_size))
     return out
+
+
+def _mlp(hf, h: str, m: str, rank: int, size: int) -> dict[str, torch.Tensor]:
+    """A gated MLP's shards on `rank` of `size`: fc1 `[gate shard; up shard]` (column
+    parallel), fc2 the matching columns of down (row parallel)."""
+    gate, up = hf[h + "gate_proj.weight"], hf[h + "up_proj.weight"]
+    return {
+        m + "linear_fc1.weight": fuse_b_shard(FUSED_GATE_UP, [gate, up], rank, size),
+        m + "linear_fc2.weight": hf[h + "down_proj.weight"].chunk(size, dim=1)[rank],
+    }
 
 
 GROUPED_FC1 = ".mlp.experts.linear_fc1.weight"
@@ -269,15 +324,25 @@ def _global_name(model: torch.nn.Module, name: str, experts_offset: int) -> str:
 def load_hf_moe_weights(model: torch.nn.Module, model_dir: str | Path, shape: MoeShape) -> None:
     """Copy the HF checkpoint's weights into this rank's `model` (its pipeline stage, its
     expert-parallel share of the experts); every Megatron parameter must be set."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
 
-    if parallel_state.get_tensor_model_parallel_world_size() != 1:
-        raise ValueError(f"{model_dir}: the MoE mapping supports TP = 1 only")
-    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    from art_megatron_ext.compat import unwrap_model
+
+    ep_size = ps.get_expert_model_parallel_world_size()
     if shape.num_experts % ep_size:
         raise ValueError(f"{model_dir}: {shape.num_experts} experts do not split over EP={ep_size}")
-    offset = parallel_state.get_expert_model_parallel_rank() * (shape.num_experts // ep_size)
-    state = megatron_moe_state_from_hf(_read_safetensors(Path(model_dir)), shape)
+    offset = ps.get_expert_model_parallel_rank() * (shape.num_experts // ep_size)
+    hf = _Reads(_read_safetensors(Path(model_dir)), str(model_dir))
+    state = megatron_moe_state_from_hf(
+        hf,
+        shape,
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_rank(),
+        ps.get_expert_tensor_parallel_world_size(),
+    )
+    hf.check_all_read()
+    model = unwrap_model(model)
     params = {_global_name(model, n, offset): p for n, p in model.named_parameters()}
     if any(n.endswith(GROUPED_FC1) for n in params):
         local = shape.num_experts // ep_size
@@ -286,7 +351,7 @@ def load_hf_moe_weights(model: torch.nn.Module, model_dir: str | Path, shape: Mo
             for n, t in grouped_expert_state(state, shape).items()
         }
     unset = sorted(set(params) - set(state))
-    whole = ep_size == 1 and parallel_state.get_pipeline_model_parallel_world_size() == 1
+    whole = ep_size == 1 and ps.get_pipeline_model_parallel_world_size() == 1
     missing = sorted(set(state) - set(params)) if whole else []
     if missing or unset:
         raise KeyError(

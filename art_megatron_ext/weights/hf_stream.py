@@ -33,10 +33,11 @@ tied embeddings send `model.embed_tokens.weight` once and no `lm_head.weight`, a
 checkpoint has them.
 
 Scope: the dense Llama/Qwen GPT of `lora.tiny_gpt` (local or Transformer Engine spec, any TP size,
-q/k/v biases, q/k norms) and the MoE GPT above (local spec, any EP size, TP = 1 as its loader;
-experts as `SequentialMLP`, our `ArtGroupedMLP` or `TEGroupedMLP`), one pipeline stage. Refused
-by name before anything is sent: pipeline stages, a `HybridModel`, MoE at TP or expert-TP > 1,
-shared experts and any other expert parameter, which the HF MoE mapping does not read.
+q/k/v biases, q/k norms) and the MoE GPT above (local spec, any TP, EP and expert-TP size as its
+loader; experts as `SequentialMLP`, our `ArtGroupedMLP` or `TEGroupedMLP`, the grouped ones at
+expert-TP 1), one pipeline stage. Refused by name before anything is sent: pipeline stages, a
+`HybridModel`, shared experts and any other expert parameter, which the HF MoE mapping does not
+read.
 """
 
 from __future__ import annotations
@@ -130,15 +131,12 @@ def _check_scope(params: dict[str, torch.Tensor]) -> None:
             "streamed"
         )
     moe = any(n.endswith(".mlp.router.weight") for n in params)
-    if moe and parallel_state.model_parallel_is_initialized():
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        etp = parallel_state.get_expert_tensor_parallel_world_size()
-        if tp > 1 or etp > 1:
-            raise NotImplementedError(
-                f"stream_hf_weights: MoE layers at tensor parallel {tp} / expert tensor "
-                f"parallel {etp} are not supported (the HF MoE mapping, lora.hf_moe_weights, "
-                "is TP = 1 only); nothing was streamed"
-            )
+    grouped = any(_expert_form(n) in ("grouped", "te") for n in params)
+    if moe and grouped and _group("expert_tensor")[1] > 1:
+        raise NotImplementedError(
+            "stream_hf_weights: grouped experts at expert tensor parallel > 1 are not mapped "
+            "(SequentialMLP experts are); nothing was streamed"
+        )
 
 
 _TE_GROUPED = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")
@@ -182,13 +180,19 @@ def _local_experts(params: dict[str, torch.Tensor], m: str) -> tuple[list, list]
 
 
 def _moe_tensors(
-    params: dict[str, torch.Tensor], m: str, h: str, fc1, group, size: int
+    params: dict[str, torch.Tensor], m: str, h: str, fc1, ep: tuple, etp: tuple
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """An MoE layer's router and every expert (all EP ranks'), in HF names and order."""
+    """An MoE layer's router and every expert (all EP ranks'), in HF names and order. Each
+    local expert is first made whole over the expert-tensor-parallel group (fc1 column
+    parallel, per rank `[gate shard; up shard]`; fc2 row parallel), then the EP group's
+    experts are gathered."""
     yield h + "mlp.gate.weight", params[m + "mlp.router.weight"].detach().clone()
     local_fc1, local_fc2 = _local_experts(params, m)
-    ups = _gather_experts([w.detach() for w in local_fc1], group, size)
-    downs = _gather_experts([w.detach() for w in local_fc2], group, size)
+    if etp[1] > 1:
+        local_fc1 = [torch.cat(split_fused_b(fc1, _shards(w, *etp))) for w in local_fc1]
+        local_fc2 = [_gather(w, 1, *etp) for w in local_fc2]
+    ups = _gather_experts([w.detach() for w in local_fc1], *ep)
+    downs = _gather_experts([w.detach() for w in local_fc2], *ep)
     for e, (up_gate, down) in enumerate(zip(ups, downs, strict=True)):
         gate, up = split_fused_b(fc1, [up_gate])
         yield f"{h}mlp.experts.{e}.gate_proj.weight", gate.contiguous()
@@ -203,6 +207,7 @@ def _layer_tensors(
     group,
     size: int,
     ep: tuple,
+    etp: tuple,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Layer i's HF tensors, in checkpoint order."""
     m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -240,7 +245,7 @@ def _layer_tensors(
             yield f"{h}self_attn.{hf_norm}.weight", norm.detach().clone()
     yield h + "post_attention_layernorm.weight", params[m + mlp_norm].detach().clone()
     if m + "mlp.router.weight" in params:
-        yield from _moe_tensors(params, m, h, fc1, *ep)
+        yield from _moe_tensors(params, m, h, fc1, ep, etp)
         return
     gate, up = split_fused_b(fc1, shards("mlp.linear_fc1.weight"))
     yield h + "mlp.gate_proj.weight", gate
@@ -277,7 +282,7 @@ def stream_hf_weights(
         )
     params = dict(inner.named_parameters())
     _check_scope(params)
-    ep = _group("expert_model")
+    ep, etp = _group("expert_model")[:2], _group("expert_tensor")[:2]
     send = _global_rank() == 0 if send is None else send
     digest = WeightsDigest()
     vocab = shape.vocab_size
@@ -295,7 +300,7 @@ def stream_hf_weights(
     )
     layers = shape.num_hidden_layers
     for i in range(layers):
-        for name, tensor in _layer_tensors(params, i, shape, group, size, ep[:2]):
+        for name, tensor in _layer_tensors(params, i, shape, group, size, ep, etp):
             emit(name, tensor)
     emit("model.norm.weight", params["decoder.final_layernorm.weight"].detach().clone())
     if "output_layer.weight" in params:  # untied: its own tensor

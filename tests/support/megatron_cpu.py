@@ -34,7 +34,9 @@ __all__ = [
 
 
 @contextlib.contextmanager
-def megatron_parallel(tp: int = 1, ep: int = 1, pp: int = 1) -> Iterator[None]:
+def megatron_parallel(
+    tp: int = 1, ep: int = 1, pp: int = 1, etp: int | None = None
+) -> Iterator[None]:
     """Initialize Megatron's parallel state on the current (gloo) world; destroy it on exit.
 
     `model_parallel_cuda_manual_seed` needs CUDA, so only the CPU generator is seeded here:
@@ -46,6 +48,7 @@ def megatron_parallel(tp: int = 1, ep: int = 1, pp: int = 1) -> Iterator[None]:
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,  # None: Megatron's default, the TP size
     )
     try:
         yield

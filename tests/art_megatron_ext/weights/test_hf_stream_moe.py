@@ -1,5 +1,5 @@
 """A Qwen3-MoE Megatron GPT's full weights streamed in HF names, one layer at a time, at EP=1
-and EP=2 (gloo ranks, Megatron's own parallel state; the MoE loader is TP = 1 only, so is this).
+and EP=2 (gloo ranks, Megatron's own parallel state; MoE at TP=2 is in test_model_zoo.py).
 
 Both directions bit for bit, as for the dense GPT (test_hf_stream.py): HF checkpoint ->
 `load_hf_moe_weights` -> stream gives back the checkpoint's tensors (router, every expert of
@@ -7,8 +7,7 @@ every EP rank, q/k norms), and random Megatron weights -> stream -> `megatron_mo
 gives back this rank's parameters (its own experts included), so the stream is the loader's
 exact inverse. The same holds with the experts of each layer in one `ArtGroupedMLP`
 (`build_moe_gpt(grouped_experts=True)`: [L, in, out] tensors, transposed and split into HF's
-per-expert gate/up/down). Refusals (unmapped expert parameters, MoE at TP > 1) are checked by
-name.
+per-expert gate/up/down). An unmapped expert parameter is refused by name.
 """
 
 from __future__ import annotations
@@ -144,7 +143,7 @@ def test_stream_inverts_the_moe_loader_on_every_ep_rank(streamed):
         assert len(r["all_experts"]) == 2 * 4 * 2
 
 
-def _refusal_worker(rank: int, world: int, case: str) -> str:
+def _refusal_worker(rank: int, world: int) -> str:
     from support.gpt_shapes import TINY
     from support.megatron_cpu import cpu_shim, megatron_parallel
 
@@ -152,16 +151,12 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
     from art_megatron_ext.weights import stream_hf_weights
 
     shape = GptShape(**TINY)
-    tp = 2 if case == "tp2" else 1
-    with cpu_shim(), megatron_parallel(tp=tp):
-        if case == "tp2":
-            model = build_gpt(shape, tensor_parallel=2, sequence_parallel=True, num_experts=4)
-        else:
-            model = build_gpt(shape, num_experts=4)
-            # a grouped-experts parameter name, as TEGroupedMLP / GroupedMLP register them
-            model.decoder.layers[0].mlp.experts.register_parameter(
-                "weight0", torch.nn.Parameter(torch.zeros(1))
-            )
+    with cpu_shim(), megatron_parallel():
+        model = build_gpt(shape, num_experts=4)
+        # a legacy grouped-experts parameter name (GroupedMLP's weight1 / weight2 style)
+        model.decoder.layers[0].mlp.experts.register_parameter(
+            "weight0", torch.nn.Parameter(torch.zeros(1))
+        )
         try:
             stream_hf_weights(model, shape, lambda n, t: None)
         except NotImplementedError as exc:
@@ -169,14 +164,9 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
     return "no refusal"
 
 
-def test_grouped_experts_are_refused_by_name():
-    (result,) = run_ranks(_refusal_worker, world_size=1, args=("grouped",))
+def test_an_unmapped_expert_parameter_is_refused_by_name():
+    (result,) = run_ranks(_refusal_worker, world_size=1)
     assert "decoder.layers.0.mlp.experts.weight0" in result and "SequentialMLP" in result
-
-
-def test_moe_at_tensor_parallel_2_is_refused_by_name():
-    results = run_ranks(_refusal_worker, world_size=2, args=("tp2",))
-    assert all("MoE layers at tensor parallel 2" in r for r in results), results
 
 
 def _te_grouped_worker(rank: int, world: int) -> dict:

@@ -2,7 +2,9 @@
 
 For each zoo checkpoint (`support.model_zoo`: Llama-3.1 rope llama3, Llama-3.2 tied, Qwen2.5
 q/k/v biases + tied, Qwen3 q/k norms with head_dim != hidden / heads, Qwen3-MoE), at TP=1 and
-TP=2 (gloo ranks, Megatron's parallel state, vocabulary padded as Megatron trainers pad it):
+TP=2 (gloo ranks, Megatron's parallel state, vocabulary padded as Megatron trainers pad it;
+Qwen3-MoE unpadded, sequence parallel at TP=2, experts sharded over expert tensor parallel 2
+and, separately, whole on each rank at ETP=1):
 - the Megatron model's logits equal Hugging Face transformers' fp32 logits of the checkpoint
   (LOGITS_ATOL; the padded columns are not part of the model's answer);
 - its stream gives back exactly the checkpoint's tensors (names, shapes, values: no padded
@@ -103,18 +105,16 @@ def _dense(name: str, hf_dir: str, rank: int, world: int) -> dict:
 
 
 def _moe(hf_dir: str, world: int) -> dict:
+    """Qwen3-MoE at this TP (sequence parallel on at TP > 1, as Megatron requires), experts
+    sharded over expert tensor parallel (ETP = TP, Megatron's default)."""
     from art_megatron_ext.lora.hf_moe_weights import MoeShape, build_moe_gpt, load_hf_moe_weights
 
     shape = MoeShape.from_hf_config(hf_dir)
     torch.manual_seed(0)
     model = build_moe_gpt(shape)
-    if world > 1:
-        with pytest.raises(ValueError, match="TP = 1 only") as refused:
-            load_hf_moe_weights(model, hf_dir, shape)
-        return {"refused": str(refused.value)}
     load_hf_moe_weights(model, hf_dir, shape)
     with torch.no_grad():
-        logits = _forward(model, _prompts())
+        logits = _full_logits(_forward(model, _prompts()), world, ZOO_VOCAB)
     return {"loaded": collect_stream(model, shape), "logits": logits.numpy()}
 
 
@@ -130,6 +130,9 @@ def _worker(rank: int, world: int, dirs: dict[str, str]) -> dict:
                 out[name] = _dense(name, dirs[name], rank, world)
         with megatron_parallel(tp=world):
             out["qwen3-moe"] = _moe(dirs["qwen3-moe"], world)
+        if world > 1:  # experts whole on every TP rank (expert data parallel over TP)
+            with megatron_parallel(tp=world, etp=1):
+                out["qwen3-moe-etp1"] = _moe(dirs["qwen3-moe"], world)
     return out
 
 
@@ -158,31 +161,30 @@ def ranks(request, zoo) -> tuple[int, list[dict]]:
 
 @pytest.mark.parametrize("name", [*DENSE, "qwen3-moe"])
 def test_megatron_logits_equal_hf_logits(ranks, hf_logits, name):
-    tp, results = ranks
-    if name == "qwen3-moe" and tp > 1:
-        assert "TP = 1 only" in results[0][name]["refused"]
-        return
-    got = torch.from_numpy(results[0][name]["logits"])
-    torch.testing.assert_close(got, hf_logits[name], rtol=0, atol=LOGITS_ATOL)
+    _, results = ranks
+    for key in (name, f"{name}-etp1"):
+        if key in results[0]:
+            got = torch.from_numpy(results[0][key]["logits"])
+            torch.testing.assert_close(got, hf_logits[name], rtol=0, atol=LOGITS_ATOL)
 
 
 @pytest.mark.parametrize("name", [*DENSE, "qwen3-moe"])
 def test_stream_gives_back_the_checkpoint(ranks, zoo, name):
     from safetensors.torch import load_file
 
-    tp, results = ranks
-    if name == "qwen3-moe" and tp > 1:  # refused before a byte is loaded
-        assert "TP = 1 only" in results[0][name]["refused"]
-        return
+    _, results = ranks
     want = load_file(f"{zoo[name]}/model.safetensors")
-    sent = {n: torch.from_numpy(a) for n, a in results[0][name]["loaded"][0]}
-    assert sorted(sent) == sorted(want)  # tied: no lm_head.weight; biases and norms present
-    for key, tensor in want.items():
-        assert sent[key].shape == tensor.shape, key  # the padded vocabulary is trimmed
-        assert torch.equal(sent[key], tensor.float()), key
-    for other in results[1:]:  # only global rank 0 sends; the receipt is everyone's
-        assert other[name]["loaded"][0] == []
-        assert other[name]["loaded"][1] == results[0][name]["loaded"][1]
+    for case in (name, f"{name}-etp1"):
+        if case not in results[0]:
+            continue
+        sent = {n: torch.from_numpy(a) for n, a in results[0][case]["loaded"][0]}
+        assert sorted(sent) == sorted(want)  # tied: no lm_head.weight; biases, norms present
+        for key, tensor in want.items():
+            assert sent[key].shape == tensor.shape, key  # the padded vocabulary is trimmed
+            assert torch.equal(sent[key], tensor.float()), key
+        for other in results[1:]:  # only global rank 0 sends; the receipt is everyone's
+            assert other[case]["loaded"][0] == []
+            assert other[case]["loaded"][1] == results[0][case]["loaded"][1]
 
 
 @pytest.mark.parametrize("name", DENSE)
