@@ -59,8 +59,9 @@ class SiteInfo:
     """Where a LoRA site sits and how its base linear is split.
 
     Shapes: `in_features`/`out_features` are the full (unsharded) base shape; `*_local` this
-    rank's. `layer_number` is Megatron's 1-based global layer number (None outside layers);
-    `expert_index` the global expert index for expert linears.
+    rank's. `layer_number` is the 1-based global GPT layer (Megatron's `layer_number`; in a
+    `HybridModel` the GPT layer its attention/MLP pair forms, `layer_position`; None outside
+    layers); `expert_index` the global expert index for expert linears.
     """
 
     path: str
