@@ -176,7 +176,9 @@ print_plan() {  # every verdict row, the stage that writes it, its oracle and th
 }
 
 gpu_files() {  # paths... -> the test files among them that carry the gpu marker, one a line
-  grep -rlE --include='test_*.py' 'pytest\.mark\.gpu\b|mark\.gpu\b' "$@" 2>/dev/null | sort
+  # (directly, or through the shared cpu/cuda device parameter, tests/support/devices.py)
+  grep -rlE --include='test_*.py' 'pytest\.mark\.gpu\b|mark\.gpu\b|cpu_and_cuda\(\)' "$@" \
+    2>/dev/null | sort
 }
 
 collect_dry() {  # label files... : what `pytest -m gpu` would run there (collected, not run)
