@@ -100,7 +100,7 @@ def read_config(path: str | Path) -> dict:
     return json.loads((path / "config.json" if path.is_dir() else path).read_text())
 
 
-def rope_of(cfg: dict, where: str, problems: list[str]) -> tuple[float, RopeScaling | None]:
+def rope_of(cfg: dict, problems: list[str]) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) from either config spelling; unmapped rope types go to `problems`."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
@@ -119,9 +119,12 @@ def rope_of(cfg: dict, where: str, problems: list[str]) -> tuple[float, RopeScal
     return float(theta), RopeScaling(kind, **{k: v for k, v in params.items() if k in keep})
 
 
-def check_dense(cfg: dict, where: str, extra_fields: frozenset = frozenset()) -> None:
+def check_dense(
+    cfg: dict, where: str, extra_fields: frozenset = frozenset()
+) -> tuple[float, RopeScaling | None]:
     """Refuse, naming each, every field of a dense Llama/Qwen config that the mapping would
-    drop or get wrong. `extra_fields` are mapped by the caller (an MoE shape's)."""
+    drop or get wrong; return the rope's (theta, scaling) it read on the way. `extra_fields`
+    are mapped by the caller (an MoE shape's)."""
     problems = [
         f"field {k!r}"
         for k in sorted(cfg)
@@ -139,16 +142,23 @@ def check_dense(cfg: dict, where: str, extra_fields: frozenset = frozenset()) ->
         problems.append("pretraining_tp != 1")
     if cfg.get("attention_dropout", 0.0):
         problems.append("attention_dropout != 0 (the trainer runs without dropout)")
-    if cfg.get("use_sliding_window") or any(
-        t != "full_attention" for t in cfg.get("layer_types") or ()
+    # Qwen2/3 slide only with use_sliding_window (or per layer_types); Mistral whenever
+    # sliding_window is set
+    if (
+        cfg.get("use_sliding_window")
+        or any(t != "full_attention" for t in cfg.get("layer_types") or ())
+        or (cfg.get("model_type") == "mistral" and cfg.get("sliding_window") is not None)
     ):
-        problems.append("sliding-window attention (use_sliding_window / layer_types)")
-    rope_of(cfg, where, problems)
+        problems.append(
+            "sliding-window attention (use_sliding_window / layer_types / Mistral's sliding_window)"
+        )
+    rope = rope_of(cfg, problems)
     if problems:
         raise UnmappedConfig(
             f"{where}: not mapped to Megatron, so the trained model would differ from the "
             f"served one: {'; '.join(problems)}. Nothing was built."
         )
+    return rope
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

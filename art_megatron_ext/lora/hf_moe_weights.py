@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .hf_config import UnmappedConfig, check_dense, read_config, rope_inv_freq, rope_of
+from .hf_config import UnmappedConfig, check_dense, read_config, rope_inv_freq
 from .hf_layout import FUSED_GATE_UP, fuse_b_shard, fused_qkv
 from .hf_weights import _read_safetensors, _Reads
 
@@ -74,10 +74,9 @@ class MoeShape:
                 "mapping (qwen3_moe only: DeepSeek-V3's multi-latent attention, shared experts "
                 "and grouped routing are not mapped yet); nothing was built"
             )
-        check_dense(cfg, str(path), MOE_FIELDS)
+        theta, scaling = check_dense(cfg, str(path), MOE_FIELDS)
         if cfg.get("tie_word_embeddings"):
             raise UnmappedConfig(f"{path}: tied embeddings are not supported by the MoE mapping")
-        theta, scaling = rope_of(cfg, str(path), [])
         if scaling is not None:
             raise UnmappedConfig(f"{path}: rope scaling is not supported by the MoE mapping")
         layers = cfg["num_hidden_layers"]

@@ -25,7 +25,6 @@ from .hf_config import (
     padded_vocab_size,
     read_config,
     rope_inv_freq,
-    rope_of,
 )
 
 DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -61,8 +60,7 @@ class GptShape:
                 f"{path}: model_type {kind!r} is not a dense Llama/Qwen model "
                 f"(mapped: {', '.join(DENSE_MODEL_TYPES)}; qwen3_moe: lora.hf_moe_weights)"
             )
-        check_dense(cfg, str(path))
-        theta, scaling = rope_of(cfg, str(path), [])
+        theta, scaling = check_dense(cfg, str(path))
         heads = cfg["num_attention_heads"]
         return cls(
             hidden_size=cfg["hidden_size"],

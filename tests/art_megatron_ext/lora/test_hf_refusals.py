@@ -43,6 +43,8 @@ def _config(tmp_path, **changes) -> str:
 def test_the_plain_config_is_mapped(tmp_path):
     shape = GptShape.from_hf_config(_config(tmp_path))
     assert shape == GptShape(**TINY)
+    mistral = _config(tmp_path, model_type="mistral", sliding_window=None)
+    assert GptShape.from_hf_config(mistral) == shape  # no window: full attention
 
 
 @pytest.mark.parametrize(
@@ -53,6 +55,7 @@ def test_the_plain_config_is_mapped(tmp_path):
         (dict(attention_bias=True), "attention_bias (Llama's adds an o_proj bias too)"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
         (dict(use_sliding_window=True, sliding_window=64), "sliding-window attention"),
+        (dict(model_type="mistral", sliding_window=4096), "Mistral's sliding_window"),
         (dict(quantization_config={"quant_method": "fp8"}), "field 'quantization_config'"),
         (dict(partial_rotary_factor=0.5), "field 'partial_rotary_factor'"),
         (dict(model_type="gemma2"), "model_type 'gemma2'"),
