@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 from .hf_config import UnmappedConfig, check_dense, read_config, rope_inv_freq
-from .hf_layout import FUSED_GATE_UP, fuse_b_shard, fused_qkv
-from .hf_weights import _read_safetensors, _Reads
+from .hf_weights import _read_safetensors, _Reads, attention_state, gated_mlp_state
 
 #: Qwen3-MoE fields mapped here beyond the dense ones (`hf_config.DENSE_FIELDS`).
 MOE_FIELDS = frozenset(
@@ -46,6 +46,8 @@ MOE_FIELDS = frozenset(
 @dataclass(frozen=True)
 class MoeShape:
     """The dimensions of a Qwen3-MoE causal LM (names follow Hugging Face's config)."""
+
+    qk_norm: ClassVar[bool] = True  # Qwen3-MoE's attention always has q/k norms
 
     hidden_size: int
     intermediate_size: int  # dense layers' FFN width
@@ -262,7 +264,6 @@ def megatron_moe_state_from_hf(
     """Megatron GPT state-dict entries from HF Qwen3-MoE tensors: this tensor-parallel rank's
     shards of the attention, dense MLPs and vocabulary, and this expert-tensor-parallel rank's
     shards of every expert (all experts, in global names; a loader keeps its EP share)."""
-    qkv = fused_qkv(shape)
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         return t.chunk(tp_size, dim=0)[tp_rank]
@@ -276,31 +277,15 @@ def megatron_moe_state_from_hf(
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
-        q, k, v = (hf[h + f"self_attn.{p}_proj.weight"] for p in "qkv")
-        out[m + "self_attention.linear_qkv.weight"] = fuse_b_shard(qkv, [q, k, v], tp_rank, tp_size)
-        out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"].chunk(
-            tp_size, dim=1
-        )[tp_rank]
-        out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
-        out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
+        out.update(attention_state(hf, h, m, shape, tp_rank, tp_size))
         if i in shape.dense_layers:
-            out.update(_mlp(hf, h + "mlp.", m + "mlp.", tp_rank, tp_size))
+            out.update(gated_mlp_state(hf, h + "mlp.", m + "mlp.", tp_rank, tp_size))
             continue
         out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
         for e in range(shape.num_experts):
             x, me = f"{h}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
-            out.update(_mlp(hf, x, me, etp_rank, etp_size))
+            out.update(gated_mlp_state(hf, x, me, etp_rank, etp_size))
     return out
-
-
-def _mlp(hf, h: str, m: str, rank: int, size: int) -> dict[str, torch.Tensor]:
-    """A gated MLP's shards on `rank` of `size`: fc1 `[gate shard; up shard]` (column
-    parallel), fc2 the matching columns of down (row parallel)."""
-    gate, up = hf[h + "gate_proj.weight"], hf[h + "up_proj.weight"]
-    return {
-        m + "linear_fc1.weight": fuse_b_shard(FUSED_GATE_UP, [gate, up], rank, size),
-        m + "linear_fc2.weight": hf[h + "down_proj.weight"].chunk(size, dim=1)[rank],
-    }
 
 
 GROUPED_FC1 = ".mlp.experts.linear_fc1.weight"

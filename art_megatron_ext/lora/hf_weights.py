@@ -75,8 +75,34 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def _fuse_qkv_bias(qkv, parts: list[torch.Tensor], tp_rank: int, tp_size: int) -> torch.Tensor:
-    return fuse_b_shard(qkv, [p[:, None] for p in parts], tp_rank, tp_size)[:, 0]
+def attention_state(hf, h: str, m: str, shape, tp_rank: int, tp_size: int) -> dict:
+    """One layer's attention entries on this TP rank (HF prefix `h`, Megatron prefix `m`):
+    fused QKV (and its Qwen2 biases) in Megatron's per-group layout, q/k norms where the shape
+    has them, the output projection's columns. Shared by the dense and the MoE mapping."""
+    qkv = fused_qkv(shape)
+    q, k, v = (hf[h + f"self_attn.{p}_proj.weight"] for p in "qkv")
+    out = {m + "self_attention.linear_qkv.weight": fuse_b_shard(qkv, [q, k, v], tp_rank, tp_size)}
+    if getattr(shape, "qkv_bias", False):
+        biases = [hf[h + f"self_attn.{p}_proj.bias"][:, None] for p in "qkv"]
+        fused = fuse_b_shard(qkv, biases, tp_rank, tp_size)  # [rows, 1]
+        out[m + "self_attention.linear_qkv.bias"] = fused[:, 0]
+    if getattr(shape, "qk_norm", False):
+        out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
+        out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
+    o_proj = hf[h + "self_attn.o_proj.weight"]
+    out[m + "self_attention.linear_proj.weight"] = o_proj.chunk(tp_size, dim=1)[tp_rank]
+    return out
+
+
+def gated_mlp_state(hf, h: str, m: str, rank: int, size: int) -> dict[str, torch.Tensor]:
+    """A gated MLP's shards on `rank` of `size` (HF prefix `h`, Megatron prefix `m`): fc1
+    `[gate shard; up shard]` (column parallel), fc2 the matching columns of down (row
+    parallel). A dense layer's MLP over TP, an expert over expert TP."""
+    gate, up = hf[h + "gate_proj.weight"], hf[h + "up_proj.weight"]
+    return {
+        m + "linear_fc1.weight": fuse_b_shard(FUSED_GATE_UP, [gate, up], rank, size),
+        m + "linear_fc2.weight": hf[h + "down_proj.weight"].chunk(size, dim=1)[rank],
+    }
 
 
 def megatron_state_from_hf(
@@ -94,15 +120,10 @@ def megatron_state_from_hf(
     spec (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) instead of
     `input_layernorm` / `pre_mlp_layernorm`. `padded_vocab`: the model's (padded) vocabulary
     rows over all TP ranks (default: the checkpoint's)."""
-    qkv = fused_qkv(shape)
-    fc1 = FUSED_GATE_UP
     vocab = padded_vocab or shape.vocab_size
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         return t.chunk(tp_size, dim=0)[tp_rank]
-
-    def cols(t: torch.Tensor) -> torch.Tensor:
-        return t.chunk(tp_size, dim=1)[tp_rank]
 
     out = {
         "embedding.word_embeddings.weight": rows(_pad_rows(hf["model.embed_tokens.weight"], vocab)),
@@ -119,20 +140,8 @@ def megatron_state_from_hf(
         )
         out[m + attn_norm] = hf[h + "input_layernorm.weight"]
         out[m + mlp_norm] = hf[h + "post_attention_layernorm.weight"]
-        q, k, v = (hf[h + f"self_attn.{p}_proj.weight"] for p in "qkv")
-        out[m + "self_attention.linear_qkv.weight"] = fuse_b_shard(qkv, [q, k, v], tp_rank, tp_size)
-        if getattr(shape, "qkv_bias", False):
-            biases = [hf[h + f"self_attn.{p}_proj.bias"] for p in "qkv"]
-            out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv_bias(
-                qkv, biases, tp_rank, tp_size
-            )
-        if getattr(shape, "qk_norm", False):
-            out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
-            out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
-        out[m + "self_attention.linear_proj.weight"] = cols(hf[h + "self_attn.o_proj.weight"])
-        gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
-        out[m + "mlp.linear_fc1.weight"] = fuse_b_shard(fc1, [gate, up], tp_rank, tp_size)
-        out[m + "mlp.linear_fc2.weight"] = cols(hf[h + "mlp.down_proj.weight"])
+        out.update(attention_state(hf, h, m, shape, tp_rank, tp_size))
+        out.update(gated_mlp_state(hf, h + "mlp.", m + "mlp.", tp_rank, tp_size))
     return out
 
 
