@@ -27,7 +27,13 @@ from typing import ClassVar
 import torch
 
 from .hf_config import UnmappedConfig, check_dense, read_config, rope_inv_freq
-from .hf_weights import _read_safetensors, _Reads, attention_state, gated_mlp_state
+from .hf_weights import (
+    UnmappedWeights,
+    _read_safetensors,
+    _Reads,
+    attention_state,
+    gated_mlp_state,
+)
 
 #: Qwen3-MoE fields mapped here beyond the dense ones (`hf_config.DENSE_FIELDS`).
 MOE_FIELDS = frozenset(
@@ -338,7 +344,7 @@ def load_hf_moe_weights(model: torch.nn.Module, model_dir: str | Path, shape: Mo
     whole = ep_size == 1 and ps.get_pipeline_model_parallel_world_size() == 1
     missing = sorted(set(state) - set(params)) if whole else []
     if missing or unset:
-        raise KeyError(
+        raise UnmappedWeights(
             f"{model_dir}: HF -> Megatron mapping mismatch: no Megatron parameter for "
             f"{missing[:3]}, no HF weight for {unset[:3]}"
         )
