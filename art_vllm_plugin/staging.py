@@ -16,7 +16,10 @@ stage there with these same functions (`engine_core/relayed_stages.py`).
 A budget, because `/dev/shm` is small in containers (64 MiB by default in Docker and
 Kubernetes): before anything is written, an adapter over `--art-max-adapter-bytes` is refused
 (413, `AdapterTooLarge`) and one that does not fit the free space of the staging directory is
-refused (507, `StagingFull`), both naming the numbers; the slot keeps its version.
+refused (507, `StagingFull`), both naming the numbers; the slot keeps its version. On a
+memory-backed directory (tmpfs: `/dev/shm`) the free space is also bounded by the memory
+cgroup's limit less its usage (`tmpfs_room`): a container's `/dev/shm` pages count against
+its memory limit, and a stage over it would have the kernel end the server mid-update.
 `--art-staging-dir DIR` (default `ART_STAGING_DIR`, then `/dev/shm`) picks another directory.
 
 Names, because several servers may share one directory: a stage is
@@ -26,6 +29,9 @@ namespace. Two servers never collide, and a server that starts removes the stage
 were left by a process that is gone (`sweep`): only directories with our prefix, owned by our
 uid, from our PID namespace, whose pid no longer runs (or runs a process started at another
 time). A stage of a live server, of another user or of another container is left alone.
+A full-weight stage also records the id of the server that wrote it (`mark_base`: engine 0's
+`server_id`, the same for all of one server's API servers), and a server removes only its own
+superseded ones (`remove_superseded_base`): another server's current stage is its undo source.
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ import shutil
 import stat
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from art_vllm_plugin.tmpfs_room import HostPaths, room
 
 logger = logging.getLogger("vllm.art_plugin.staging")
 
@@ -118,6 +126,8 @@ class StagingConfig:
 
     root: Path
     max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES
+    #: Where the memory cgroup and the mounts are read (`tmpfs_room`; tests pass fixtures).
+    host: HostPaths = field(default_factory=HostPaths)
 
     @classmethod
     def default(cls) -> StagingConfig:
@@ -154,13 +164,14 @@ class StagingConfig:
     def check_space(self, adapter_bytes: int, what: str) -> None:
         """`StagingFull` unless the staging directory has room for a stage of `adapter_bytes`."""
         needed = adapter_bytes + STAGE_OVERHEAD_BYTES
-        free = free_bytes(self.root)
+        free, bound = room(self.root, free_bytes(self.root), self.host)
         if needed > free:
+            because = f" ({bound})" if bound else ""
             raise StagingFull(
                 f"staging {what} needs {needed} bytes in {self.root} ({adapter_bytes} for the "
-                f"files, {STAGE_OVERHEAD_BYTES} for markers) but only {free} bytes are free; "
-                "nothing was staged (free space there, or start the server with "
-                "--art-staging-dir on a larger file system)"
+                f"files, {STAGE_OVERHEAD_BYTES} for markers) but only {free} bytes are "
+                f"free{because}; nothing was staged (free space there, or start the server "
+                "with --art-staging-dir on a larger file system)"
             )
 
     def refusal_for(self, exc: OSError, what: str) -> StagingRefused:
@@ -360,26 +371,38 @@ def poll(stage_dir: str | Path, ranks: list[int]) -> tuple[list[int], dict[int, 
 
 #: In a full-weight stage: the base version it holds (`remove_superseded_base` reads it).
 BASE_MARK = ".art-base-version"
+#: In a full-weight stage: the id of the server (every API server of one `vllm serve`) that
+#: wrote it (`slot_registry.SlotRegistry.server_id`, engine 0's).
+SERVER_MARK = ".art-base-server"
 
 
-def mark_base(stage_dir: Path, version: int) -> None:
+def mark_base(stage_dir: Path, version: int, server: str) -> None:
+    """Record which server's stage this is and the version it holds (the server first: a
+    stage that names a version always names its server)."""
+    (stage_dir / SERVER_MARK).write_text(server)
     (stage_dir / BASE_MARK).write_text(str(version))
 
 
-def remove_superseded_base(root: str | Path, version: int) -> list[Path]:
-    """Remove every full-weight stage in `root` (any owner: every API server of one server
-    stages there) that holds a base version older than `version`; returns them."""
+def remove_superseded_base(root: str | Path, version: int, server: str) -> list[Path]:
+    """Remove every full-weight stage in `root` written by `server` (any of its API servers)
+    that holds a base version older than `version`; returns them.
+
+    Only `server`'s: two servers on one host share `/dev/shm` by default, and another
+    server's stage of its current version is what a revert of its next update reads. A stage
+    that names no server (or another) is left alone."""
     removed = []
     for entry in _entries(root, "superseded stages"):
         if not entry.name.startswith(PREFIX):
             continue
+        stage = Path(entry.path)
         try:
-            held = int((Path(entry.path) / BASE_MARK).read_text())
+            owner = (stage / SERVER_MARK).read_text()
+            held = int((stage / BASE_MARK).read_text())
         except (OSError, ValueError):
-            continue  # no full-weight stage, or one being written
-        if held < version:
-            remove(entry.path)
-            removed.append(Path(entry.path))
+            continue  # no full-weight stage, one being written, or one of an older plugin
+        if owner == server and held < version:
+            remove(stage)
+            removed.append(stage)
     return removed
 
 

@@ -45,11 +45,14 @@ class WeightsRefused(ValueError):
         self.problems = problems
 
 
-def write_stage(config: staging.StagingConfig, source: Path, version: int, engines) -> Path:
+def write_stage(
+    config: staging.StagingConfig, source: Path, version: int, engines, server: str
+) -> Path:
     """A fresh stage holding a copy of the checkpoint at `source` and one marker directory per
-    engine (`staging.marker_dir`). `WeightsRefused` when `source` is no safetensors checkpoint;
-    `staging.StagingRefused` (507 out of space, else 500) when the copy cannot be written;
-    nothing is left behind on failure."""
+    engine (`staging.marker_dir`), tagged with `server` (engine 0's `server_id`) and `version`.
+    `WeightsRefused` when `source` is no safetensors checkpoint; `staging.StagingRefused` (507
+    out of space, else 500) when the copy cannot be written; nothing is left behind on
+    failure."""
     what = f"the full weights at {source}"
     try:
         files = checkpoint_files(source)
@@ -63,7 +66,7 @@ def write_stage(config: staging.StagingConfig, source: Path, version: int, engin
     def copy(stage_dir: Path) -> None:
         for f in files:
             shutil.copyfile(f, stage_dir / f.name)
-        staging.mark_base(stage_dir, version)
+        staging.mark_base(stage_dir, version, server)
 
     return staging.fill_stage(config, "base", version, [e.dp_rank for e in engines], copy, what)
 

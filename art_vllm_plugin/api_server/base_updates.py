@@ -20,9 +20,11 @@ for the base weights under the registry key `BASE_SLOT`:
 
 The committed stage stays on disk while its version is current: it is what a revert of the
 next update reads (the workers keep no copy of the weights, `worker/base_weights.py`). Once
-an update is final, every base stage of an older version is removed, whichever API server of
-this `vllm serve` wrote it (`staging.remove_superseded_base`: a stage records its version;
-base updates are one at a time across API servers, so nothing older can be needed again).
+an update is final, every base stage of an older version that this server wrote is removed,
+whichever of its API servers wrote it (`staging.remove_superseded_base`: a stage records its
+version and the server's id, engine 0's `server_id`, which admission answers; base updates
+are one at a time across API servers, so nothing older can be needed again). Another
+server's stages in the same directory are left alone: they are its undo source.
 Engines on another host than this API server cannot read the stage; an update is refused
 (501) when there is one.
 
@@ -174,6 +176,7 @@ class BaseUpdater:
                     Path(resolved),
                     req.version,
                     self.engines,
+                    admitted["server"],
                 )
             except base_files.WeightsRefused as exc:
                 raise UpdateError(422, f"{exc}; {keeps}") from exc
@@ -187,7 +190,7 @@ class BaseUpdater:
                 if not committed:
                     await asyncio.to_thread(staging.remove, stage_dir)
             return await self._finish(
-                req, token, fingerprint, current, digest, result, t0, stage_dir
+                req, token, fingerprint, current, digest, result, t0, admitted["server"]
             )
 
     async def _stream_locked(self, req: UpdateRequest, token: str, plan: TransferPlan) -> dict:
@@ -234,7 +237,7 @@ class BaseUpdater:
                 await asyncio.to_thread(staging.remove, stage_dir)
             digest = result.receipts[0]["digest"]
             return await self._finish(
-                req, token, fingerprint, admitted["version"], digest, result, t0, None
+                req, token, fingerprint, admitted["version"], digest, result, t0, admitted["server"]
             )
 
     async def _check_and_publish(self, req, token, stage_dir: Path, source: str, keeps: str):
@@ -311,15 +314,15 @@ class BaseUpdater:
         check_digest(req, source, digest, keeps)
         return digest
 
-    async def _finish(self, req, token, fingerprint, current, digest, result, t0, stage_dir):
+    async def _finish(self, req, token, fingerprint, current, digest, result, t0, server: str):
         """Record the committed update on every engine (final: no revert any more), then
-        drop the stages of the versions before it, whichever API server wrote them (a stream
-        left none of its own: `stage_dir` None)."""
+        drop this server's stages of the versions before it, whichever of its API servers
+        wrote them (`server`: engine 0's `server_id`)."""
         response, elapsed_ms = await self.coordinator.record_committed(
             req, token, fingerprint, current, digest, result, t0
         )
         await asyncio.to_thread(
-            staging.remove_superseded_base, self.coordinator.staging.root, req.version
+            staging.remove_superseded_base, self.coordinator.staging.root, req.version, server
         )
         logger.info(
             "art update base weights version=%d step=%d engines=%d total=%.1fms stage=%.1fms "

@@ -22,6 +22,11 @@ Every engine's registry also keeps two rules that outlive a failed update:
   weights) is *blocked* until a later update of it commits cleanly everywhere
   (`finish(ok=True)`): requests on it are refused (`engine_core/blocked_slots.py`).
 
+Engine 0's registry also names the server: `server_id`, a random id made when the engine
+starts, answered with every admitted update. Every API server of one `vllm serve` reads the
+same one, and no other server has it, so full-weight stages are tagged with it and each
+server removes only its own (`staging.remove_superseded_base`).
+
 Plain Python, no vLLM: it is unit-tested directly and used by `engine_core/slot_updates.py`.
 """
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
@@ -93,6 +99,9 @@ class SlotRegistry:
     base: SlotRecord = field(default_factory=lambda: SlotRecord(BASE, BASE_ID, 0, "", "", 0.0))
     #: bumped on every change a reader could see
     generation: int = 0
+    #: this server's id (engine 0's is the one used): what its full-weight stages are tagged
+    #: with, shared by its API servers and by no other server
+    server_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:
         self.operations.setdefault(BASE, OrderedDict())
@@ -208,7 +217,7 @@ class SlotRegistry:
                 "version": rec.version,
             }
         self.reservations[slot] = Reservation(token, slot, operation_id, fingerprint, now)
-        return {"ok": True, "version": rec.version}
+        return {"ok": True, "version": rec.version, "server": self.server_id}
 
     def release(self, token: str) -> None:
         for slot, held in list(self.reservations.items()):

@@ -22,18 +22,27 @@ SERVED = {
 }
 
 
+#: The id of the server the tests stage for (engine 0's `server_id` in a real server).
+SERVER = "server-a"
+
+
 def checkpoint(path: Path, tensors: dict) -> Path:
     path.mkdir(parents=True)
     save_file(tensors, str(path / "model.safetensors"))
     return path
 
 
+def write_stage(config, source: Path, version: int, engines, server: str = SERVER) -> Path:
+    return base_files.write_stage(config, source, version, engines, server)
+
+
 def test_the_stage_is_a_copy_with_a_marker_directory_per_engine(tmp_path):
     source = checkpoint(tmp_path / "trainer", SERVED)
     config = staging.StagingConfig(tmp_path / "shm")
     (tmp_path / "shm").mkdir()
-    stage = base_files.write_stage(config, source, 3, [Engine(0, None), Engine(1, None)])
+    stage = write_stage(config, source, 3, [Engine(0, None), Engine(1, None)])
     assert sorted(p.name for p in stage.iterdir()) == [
+        staging.SERVER_MARK,
         staging.BASE_MARK,
         "markers-engine0",
         "markers-engine1",
@@ -42,7 +51,7 @@ def test_the_stage_is_a_copy_with_a_marker_directory_per_engine(tmp_path):
     digest = base_files.check_stage(stage, source, "the update")
     assert digest == digest_checkpoint(source).hexdigest()
     with pytest.raises(base_files.WeightsRefused, match=r"neither model\.safetensors"):
-        base_files.write_stage(config, tmp_path / "shm", 4, [Engine(0, None)])
+        write_stage(config, tmp_path / "shm", 4, [Engine(0, None)])
 
 
 def test_every_misfit_is_named(tmp_path):
@@ -79,15 +88,21 @@ def test_a_long_list_of_problems_is_cut_and_counted():
     assert len(err.problems) == 25
 
 
-def test_a_final_update_removes_every_older_base_stage_whoever_wrote_it(tmp_path):
-    """Several API servers stage in one root; once version 5 is final, the stages of 3 and 4
-    (from any of them) go, 5's and a later one's stay, and a LoRA stage is not touched."""
+def test_a_final_update_removes_only_this_servers_older_base_stages(tmp_path):
+    """Two servers stage in one root (both default to /dev/shm); once server A's version 5 is
+    final, A's stages of 3 and 4 go (from any of A's API servers: they share A's id), A's 5
+    and a later one stay, server B's stages of 1 and 4 stay (B's current version is what a
+    revert of B's next update reads; before, they were removed too), and neither a LoRA
+    stage nor a stage that names no server is touched."""
     source = checkpoint(tmp_path / "trainer", SERVED)
     root = tmp_path / "shm"
     root.mkdir()
     config = staging.StagingConfig(root)
-    stages = {v: base_files.write_stage(config, source, v, [Engine(0, None)]) for v in (3, 4, 5, 6)}
+    ours = {v: write_stage(config, source, v, [Engine(0, None)]) for v in (3, 4, 5, 6)}
+    theirs = [write_stage(config, source, v, [Engine(0, None)], server="server-b") for v in (1, 4)]
+    unnamed = staging.new_stage_dir(config, "base", 2)
+    (unnamed / staging.BASE_MARK).write_text("2")  # a stage of an older plugin: no server
     lora = staging.new_stage_dir(config, "policy", 2)
-    removed = staging.remove_superseded_base(root, 5)
-    assert sorted(removed) == sorted([stages[3], stages[4]])
-    assert sorted(p for p in root.iterdir()) == sorted([stages[5], stages[6], lora])
+    removed = staging.remove_superseded_base(root, 5, SERVER)
+    assert sorted(removed) == sorted([ours[3], ours[4]])
+    assert sorted(root.iterdir()) == sorted([ours[5], ours[6], *theirs, unnamed, lora])

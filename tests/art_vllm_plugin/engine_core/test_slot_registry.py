@@ -196,3 +196,14 @@ def test_the_base_weights_are_admitted_replayed_and_blocked_by_the_slot_rules():
     r.commit(base, 2, "/stage-2", D0)
     r.finish("t7", base, ok=True)
     assert base not in r.blocked  # a clean update unblocks
+
+
+def test_admission_answers_the_servers_id_the_same_for_every_update():
+    """Every API server admits on engine 0, so each learns the same id (what full-weight
+    stages are tagged with); another server's registry has another one."""
+    r, other = registry(), registry()
+    first = r.reserve("t1", slot_registry.BASE, 1, None, None, None)
+    r.release("t1")
+    second = r.reserve("t2", "policy", 1, None, None, None)
+    assert first["server"] == second["server"] == r.server_id
+    assert other.server_id != r.server_id and len(r.server_id) == 32
