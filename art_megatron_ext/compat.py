@@ -430,6 +430,18 @@ def gpt_rotary_module_attr() -> str:
     return GPT_ROTARY_ATTR
 
 
+def mla_rotary_modules(model) -> list:
+    """Every multi-latent attention layer's own `RotaryEmbedding` (0.19.2: MLA keeps one per
+    layer in `self_attention.rotary_pos_emb`; the GPTModel has none for MLA)."""
+    out = []
+    for layer in model.decoder.layers:
+        rotary = getattr(layer.self_attention, "rotary_pos_emb", None)
+        if rotary is None:
+            raise ValueError(f"layer {layer.layer_number}: no MLA rotary embedding")
+        out.append(rotary)
+    return out
+
+
 def megatron_packed_seq_params_class():
     """`megatron.core.packed_seq_params.PackedSeqParams`."""
     require_megatron()

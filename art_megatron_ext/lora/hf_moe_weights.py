@@ -78,9 +78,9 @@ class MoeShape:
         cfg = read_config(path)
         if cfg.get("model_type") != "qwen3_moe":
             raise UnmappedConfig(
-                f"{path}: model_type {cfg.get('model_type')!r} is not mapped by the MoE "
-                "mapping (qwen3_moe only: DeepSeek-V3's multi-latent attention, shared experts "
-                "and grouped routing are not mapped yet); nothing was built"
+                f"{path}: model_type {cfg.get('model_type')!r} is not mapped by the Qwen3-MoE "
+                "mapping (qwen3_moe; deepseek_v3: lora.hf_deepseek.DeepseekShape); nothing was "
+                "built"
             )
         theta, scaling = check_dense(cfg, str(path), MOE_FIELDS)
         if cfg.get("tie_word_embeddings"):
@@ -206,9 +206,12 @@ def build_moe_gpt(
 
 
 def _sequence_parallel_norms(block):
-    """`block` with every RMSNorm (layer, final and q/k norms) as `SequenceParallelRMSNorm`:
-    Megatron's torch norm refuses `sequence_parallel`, which MoE at TP > 1 requires."""
+    """`block` with every RMSNorm (layer, final, q/k or MLA's q_a/kv_a norms) as
+    `SequenceParallelRMSNorm`: Megatron's torch norm refuses `sequence_parallel`, which MoE
+    at TP > 1 requires."""
     import dataclasses
+
+    from megatron.core.transformer.identity_op import IdentityOp
 
     from .tiny_gpt import SequenceParallelRMSNorm as Norm
 
@@ -216,10 +219,12 @@ def _sequence_parallel_norms(block):
     for layer in block.layer_specs:
         sub = layer.submodules
         attn = sub.self_attention
-        attn = dataclasses.replace(
-            attn,
-            submodules=dataclasses.replace(attn.submodules, q_layernorm=Norm, k_layernorm=Norm),
-        )
+        norms = {  # q/k norms (Qwen3), q_a / kv_a norms (MLA), where the spec has them
+            name: Norm
+            for name in ("q_layernorm", "k_layernorm", "kv_layernorm")
+            if getattr(attn.submodules, name, IdentityOp) is not IdentityOp
+        }
+        attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, **norms))
         sub = dataclasses.replace(
             sub, input_layernorm=Norm, pre_mlp_layernorm=Norm, self_attention=attn
         )
@@ -316,12 +321,6 @@ def load_hf_moe_weights(model: torch.nn.Module, model_dir: str | Path, shape: Mo
     expert-parallel share of the experts); every Megatron parameter must be set."""
     from megatron.core import parallel_state as ps
 
-    from art_megatron_ext.compat import unwrap_model
-
-    ep_size = ps.get_expert_model_parallel_world_size()
-    if shape.num_experts % ep_size:
-        raise ValueError(f"{model_dir}: {shape.num_experts} experts do not split over EP={ep_size}")
-    offset = ps.get_expert_model_parallel_rank() * (shape.num_experts // ep_size)
     hf = _Reads(_read_safetensors(Path(model_dir)), str(model_dir))
     state = megatron_moe_state_from_hf(
         hf,
@@ -332,8 +331,34 @@ def load_hf_moe_weights(model: torch.nn.Module, model_dir: str | Path, shape: Mo
         ps.get_expert_tensor_parallel_world_size(),
     )
     hf.check_all_read()
+    copy_moe_state(model, state, shape, str(model_dir))
+
+
+def moe_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a loader writes and the stream reads: every parameter, plus each router's
+    `expert_bias` (a buffer: DeepSeek's score-correction bias)."""
+    targets = dict(model.named_parameters())
+    targets.update(
+        (name, buf) for name, buf in model.named_buffers() if name.endswith(".router.expert_bias")
+    )
+    return targets
+
+
+def copy_moe_state(model: torch.nn.Module, state: dict, shape, where: str) -> None:
+    """Write `state` (global names: every layer, every expert, this rank's TP/ETP shards) into
+    this rank's `model`: its pipeline stage's layers, its expert-parallel share of the experts,
+    `SequentialMLP` or grouped experts. Nothing is written unless every target has a value and,
+    on a whole model, every value a target (`UnmappedWeights`), with matching shapes."""
+    from megatron.core import parallel_state as ps
+
+    from art_megatron_ext.compat import unwrap_model
+
+    ep_size = ps.get_expert_model_parallel_world_size()
+    if shape.num_experts % ep_size:
+        raise ValueError(f"{where}: {shape.num_experts} experts do not split over EP={ep_size}")
+    offset = ps.get_expert_model_parallel_rank() * (shape.num_experts // ep_size)
     model = unwrap_model(model)
-    params = {_global_name(model, n, offset): p for n, p in model.named_parameters()}
+    params = {_global_name(model, n, offset): p for n, p in moe_targets(model).items()}
     if any(n.endswith(GROUPED_FC1) for n in params):
         local = shape.num_experts // ep_size
         state = {
@@ -345,15 +370,15 @@ def load_hf_moe_weights(model: torch.nn.Module, model_dir: str | Path, shape: Mo
     missing = sorted(set(state) - set(params)) if whole else []
     if missing or unset:
         raise UnmappedWeights(
-            f"{model_dir}: HF -> Megatron mapping mismatch: no Megatron parameter for "
+            f"{where}: HF -> Megatron mapping mismatch: no Megatron parameter for "
             f"{missing[:3]}, no HF weight for {unset[:3]}"
         )
+    for name, target in params.items():
+        if target.shape != state[name].shape:
+            raise ValueError(
+                f"{where}: {name} is {tuple(state[name].shape)} from HF, "
+                f"{tuple(target.shape)} in the Megatron model"
+            )
     with torch.no_grad():
         for name, target in params.items():
-            value = state[name]
-            if target.shape != value.shape:
-                raise ValueError(
-                    f"{model_dir}: {name} is {tuple(value.shape)} from HF, "
-                    f"{tuple(target.shape)} in the Megatron model"
-                )
-            target.copy_(value.to(target.dtype))
+            target.copy_(state[name].to(target.dtype))

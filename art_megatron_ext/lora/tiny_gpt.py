@@ -58,7 +58,8 @@ class GptShape:
         if kind not in DENSE_MODEL_TYPES:
             raise UnmappedConfig(
                 f"{path}: model_type {kind!r} is not a dense Llama/Qwen model "
-                f"(mapped: {', '.join(DENSE_MODEL_TYPES)}; qwen3_moe: lora.hf_moe_weights)"
+                f"(mapped: {', '.join(DENSE_MODEL_TYPES)}; qwen3_moe: lora.hf_moe_weights; "
+                "deepseek_v3: lora.hf_deepseek)"
             )
         theta, scaling = check_dense(cfg, str(path))
         heads = cfg["num_attention_heads"]

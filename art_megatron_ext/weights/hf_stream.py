@@ -49,6 +49,8 @@ from dataclasses import dataclass
 import torch
 
 from art_megatron_ext.lora.hf_layout import FUSED_GATE_UP, fused_qkv, split_fused_b
+from art_megatron_ext.lora.hf_moe_weights import moe_targets
+from art_megatron_ext.weights.mla_stream import mla_tensors
 from art_protocol.weights_digest import WeightsDigest
 
 
@@ -121,14 +123,15 @@ def _check_scope(params: dict[str, torch.Tensor]) -> None:
     unmapped = [
         n
         for n in params
-        if (".mlp.experts." in n and _expert_form(n) is None) or ".mlp.shared_experts." in n
+        if (".mlp.experts." in n and _expert_form(n) is None)
+        or (".mlp.shared_experts." in n and not n.endswith(_SHARED_NAMES))
     ]
     if unmapped:
         raise NotImplementedError(
-            f"stream_hf_weights: {unmapped[0]} is not an expert parameter the HF MoE mapping "
-            "reads (SequentialMLP local_experts.N, ArtGroupedMLP linear_fc1/2.weight [L, ...] "
-            "or TEGroupedMLP linear_fc1/2.weightN; shared experts are not mapped); nothing was "
-            "streamed"
+            f"stream_hf_weights: {unmapped[0]} is not an expert parameter the HF MoE mappings "
+            "read (SequentialMLP local_experts.N, ArtGroupedMLP linear_fc1/2.weight [L, ...], "
+            "TEGroupedMLP linear_fc1/2.weightN, a shared expert's linear_fc1/2.weight; a "
+            "shared-expert gate is not mapped); nothing was streamed"
         )
     moe = any(n.endswith(".mlp.router.weight") for n in params)
     grouped = any(_expert_form(n) in ("grouped", "te") for n in params)
@@ -139,6 +142,7 @@ def _check_scope(params: dict[str, torch.Tensor]) -> None:
         )
 
 
+_SHARED_NAMES = (".mlp.shared_experts.linear_fc1.weight", ".mlp.shared_experts.linear_fc2.weight")
 _TE_GROUPED = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")
 
 
@@ -180,13 +184,17 @@ def _local_experts(params: dict[str, torch.Tensor], m: str) -> tuple[list, list]
 
 
 def _moe_tensors(
-    params: dict[str, torch.Tensor], m: str, h: str, fc1, ep: tuple, etp: tuple
+    params: dict[str, torch.Tensor], m: str, h: str, fc1, ep: tuple, etp: tuple, tp: tuple
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """An MoE layer's router and every expert (all EP ranks'), in HF names and order. Each
-    local expert is first made whole over the expert-tensor-parallel group (fc1 column
+    """An MoE layer's router (and its expert bias: DeepSeek's score-correction bias), every
+    expert (all EP ranks'), and the shared expert where there is one, in HF names and order.
+    Each local expert is first made whole over the expert-tensor-parallel group (fc1 column
     parallel, per rank `[gate shard; up shard]`; fc2 row parallel), then the EP group's
-    experts are gathered."""
+    experts are gathered; the shared expert is split over tensor parallel like a dense MLP."""
     yield h + "mlp.gate.weight", params[m + "mlp.router.weight"].detach().clone()
+    bias = params.get(m + "mlp.router.expert_bias")
+    if bias is not None:
+        yield h + "mlp.gate.e_score_correction_bias", bias.detach().clone()
     local_fc1, local_fc2 = _local_experts(params, m)
     if etp[1] > 1:
         local_fc1 = [torch.cat(split_fused_b(fc1, _shards(w, *etp))) for w in local_fc1]
@@ -198,6 +206,15 @@ def _moe_tensors(
         yield f"{h}mlp.experts.{e}.gate_proj.weight", gate.contiguous()
         yield f"{h}mlp.experts.{e}.up_proj.weight", up.contiguous()
         yield f"{h}mlp.experts.{e}.down_proj.weight", down.contiguous().clone()
+    shared = m + "mlp.shared_experts."
+    if shared + "linear_fc1.weight" in params:
+        gate, up = split_fused_b(fc1, _shards(params[shared + "linear_fc1.weight"], *tp))
+        yield h + "mlp.shared_experts.gate_proj.weight", gate
+        yield h + "mlp.shared_experts.up_proj.weight", up
+        yield (
+            h + "mlp.shared_experts.down_proj.weight",
+            _gather(params[shared + "linear_fc2.weight"], 1, *tp),
+        )
 
 
 def _layer_tensors(
@@ -220,13 +237,36 @@ def _layer_tensors(
             ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
         )
     )
-    qkv = fused_qkv(shape)
     fc1 = FUSED_GATE_UP
 
     def shards(name: str) -> list[torch.Tensor]:
         return _shards(params[m + name], group, size)
 
     yield h + "input_layernorm.weight", params[m + attn_norm].detach().clone()
+    if m + "self_attention.linear_kv_up_proj.weight" in params:  # multi-latent attention
+        yield from mla_tensors(params, m, h, shape, lambda t, d: _gather(t, d, group, size), size)
+    else:
+        yield from _gqa_tensors(params, m, h, shape, group, size)
+    yield h + "post_attention_layernorm.weight", params[m + mlp_norm].detach().clone()
+    if m + "mlp.router.weight" in params:
+        yield from _moe_tensors(params, m, h, fc1, ep, etp, (group, size))
+        return
+    gate, up = split_fused_b(fc1, shards("mlp.linear_fc1.weight"))
+    yield h + "mlp.gate_proj.weight", gate
+    yield h + "mlp.up_proj.weight", up
+    yield h + "mlp.down_proj.weight", _gather(params[m + "mlp.linear_fc2.weight"], 1, group, size)
+
+
+def _gqa_tensors(
+    params: dict[str, torch.Tensor], m: str, h: str, shape, group, size: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Llama/Qwen layer's attention: q/k/v (and Qwen2's biases) from the fused per-group
+    `linear_qkv`, o_proj, Qwen3's q/k norms."""
+    qkv = fused_qkv(shape)
+
+    def shards(name: str) -> list[torch.Tensor]:
+        return _shards(params[m + name], group, size)
+
     q, k, v = split_fused_b(qkv, shards("self_attention.linear_qkv.weight"))
     yield h + "self_attn.q_proj.weight", q
     yield h + "self_attn.k_proj.weight", k
@@ -243,14 +283,6 @@ def _layer_tensors(
         norm = params.get(f"{m}self_attention.{mg_norm}.weight")
         if norm is not None:  # per-head RMSNorm, the same on every TP rank
             yield f"{h}self_attn.{hf_norm}.weight", norm.detach().clone()
-    yield h + "post_attention_layernorm.weight", params[m + mlp_norm].detach().clone()
-    if m + "mlp.router.weight" in params:
-        yield from _moe_tensors(params, m, h, fc1, ep, etp)
-        return
-    gate, up = split_fused_b(fc1, shards("mlp.linear_fc1.weight"))
-    yield h + "mlp.gate_proj.weight", gate
-    yield h + "mlp.up_proj.weight", up
-    yield h + "mlp.down_proj.weight", _gather(params[m + "mlp.linear_fc2.weight"], 1, group, size)
 
 
 def stream_hf_weights(
@@ -280,7 +312,7 @@ def stream_hf_weights(
             "(lora.layer_position.gpt_layer_pairs) and the final norm is decoder.final_norm; "
             "nothing was streamed"
         )
-    params = dict(inner.named_parameters())
+    params = moe_targets(inner)  # parameters and the routers' expert-bias buffers
     _check_scope(params)
     ep, etp = _group("expert_model")[:2], _group("expert_tensor")[:2]
     send = _global_rank() == 0 if send is None else send

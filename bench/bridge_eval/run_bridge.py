@@ -99,7 +99,7 @@ def _spec_name(spec) -> str:
 
 def _mla_spec(inner):
     """`inner`'s block spec with `SdpaCoreAttention` as every layer's core attention."""
-    from sdpa_core_attention import SdpaCoreAttention
+    from art_megatron_ext.lora.mla_core_attention import SdpaCoreAttention
 
     def spec(config, vp_stage=None):
         block = inner(config, vp_stage=vp_stage)

@@ -92,17 +92,22 @@ ZOO: dict[str, tuple[str, dict]] = {
             mlp_only_layers=[0],
         ),
     ),
-    # DeepSeek-V3: MLA (q and kv low-rank), shared expert, grouped sigmoid routing with a
-    # score-correction bias and a routed scaling factor, a dense first layer
+    # DeepSeek-V3: MLA (q and kv low-rank), yarn rope with DeepSeek-V3's own values (factor
+    # 40, mscale = mscale_all_dim = 1: the softmax scale grows, cos/sin do not) over 64
+    # original positions (so the prompts reach the interpolated band), shared expert, grouped
+    # sigmoid routing with a score-correction bias and a routed scaling factor (16 experts in
+    # 4 groups, 2 groups chosen, top 4: 4 // 2 experts score a group, as DeepSeek-V3's
+    # 8 // 4), a dense first layer
     "deepseek-v3": (
         "DeepseekV3Config",
         dict(
             _COMMON,
             num_key_value_heads=4,
+            max_position_embeddings=64 * 40,  # yarn's factor times its original positions
             moe_intermediate_size=32,
-            n_routed_experts=8,
+            n_routed_experts=16,
             n_shared_experts=1,
-            num_experts_per_tok=2,
+            num_experts_per_tok=4,
             n_group=4,
             topk_group=2,
             routed_scaling_factor=2.5,
@@ -114,7 +119,16 @@ ZOO: dict[str, tuple[str, dict]] = {
             v_head_dim=16,
             head_dim=8,
             rope_interleave=True,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=40.0,
+                original_max_position_embeddings=64,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
         ),
     ),
 }

@@ -11,8 +11,9 @@ and, separately, whole on each rank at ETP=1):
   row, no `lm_head.weight` where the checkpoint ties it);
 - after one training step the stream is bitwise what the model holds (the loader maps the
   streamed tensors back onto every rank's parameters exactly) and the padded rows are still 0.
-DeepSeek-V3 (multi-latent attention, shared experts, grouped routing) is not mapped: it is
-refused by name before a model is built.
+DeepSeek-V3 (multi-latent attention, yarn rope, shared expert, grouped sigmoid routing with
+an expert bias, a dense first layer; `lora.hf_deepseek`) runs the same checks at TP=1 and TP=2
+with the vocabulary padded, its routers' expert bias streamed as `e_score_correction_bias`.
 
 Observed here: logits vs HF within about 2e-6 (fp32 on both sides).
 """
@@ -118,6 +119,39 @@ def _moe(hf_dir: str, world: int) -> dict:
     return {"loaded": collect_stream(model, shape), "logits": logits.numpy()}
 
 
+def _deepseek(hf_dir: str, rank: int, world: int) -> dict:
+    """DeepSeek-V3 at this TP (sequence parallel at TP > 1), vocabulary padded, routed experts
+    over expert TP = TP: logits, stream, one step, stream again and map it back."""
+    from megatron.core import parallel_state as ps
+
+    from art_megatron_ext.lora.hf_deepseek import DeepseekShape, build_deepseek_gpt
+    from art_megatron_ext.lora.hf_deepseek_weights import (
+        load_hf_deepseek_weights,
+        megatron_deepseek_state_from_hf,
+    )
+    from art_megatron_ext.lora.hf_moe_weights import moe_targets
+
+    shape = DeepseekShape.from_hf_config(hf_dir)
+    torch.manual_seed(0)
+    model = build_deepseek_gpt(shape, make_vocab_size_divisible_by=DIVISIBLE)
+    load_hf_deepseek_weights(model, hf_dir, shape)
+    params = moe_targets(model)
+    padded = params["embedding.word_embeddings.weight"].shape[0] * world
+    out = {"loaded": collect_stream(model, shape), "padded_vocab": padded}
+    with torch.no_grad():
+        out["logits"] = _full_logits(_forward(model, _prompts()), world, ZOO_VOCAB).numpy()
+    _step(model, rank, world)
+    out["padded_rows_zero"] = _padded_rows_zero(params, rank, world)
+    sent, _ = collect_stream(model, shape, send=True)
+    tensors = {n: torch.from_numpy(a) for n, a in sent}
+    etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+    back = megatron_deepseek_state_from_hf(tensors, shape, rank, world, *etp, padded_vocab=padded)
+    out["after_step"] = (sorted(tensors), {n: tuple(t.shape) for n, t in tensors.items()})
+    out["not_bitwise"] = sorted(n for n, t in back.items() if not torch.equal(t, params[n]))
+    out["unmapped_params"] = sorted(set(params) - set(back))
+    return out
+
+
 def _worker(rank: int, world: int, dirs: dict[str, str]) -> dict:
     from support.megatron_cpu import cpu_shim, megatron_parallel
 
@@ -133,6 +167,8 @@ def _worker(rank: int, world: int, dirs: dict[str, str]) -> dict:
         if world > 1:  # experts whole on every TP rank (expert data parallel over TP)
             with megatron_parallel(tp=world, etp=1):
                 out["qwen3-moe-etp1"] = _moe(dirs["qwen3-moe"], world)
+        with megatron_parallel(tp=world):
+            out["deepseek-v3"] = _deepseek(dirs["deepseek-v3"], rank, world)
     return out
 
 
@@ -147,7 +183,7 @@ def hf_logits(zoo) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
     out = {}
-    for name in (*DENSE, "qwen3-moe"):
+    for name in (*DENSE, "qwen3-moe", "deepseek-v3"):
         model = AutoModelForCausalLM.from_pretrained(zoo[name], dtype=torch.float32).eval()
         with torch.no_grad():
             out[name] = model(_prompts()).logits
@@ -159,7 +195,7 @@ def ranks(request, zoo) -> tuple[int, list[dict]]:
     return request.param, run_ranks(_worker, world_size=request.param, args=(zoo,))
 
 
-@pytest.mark.parametrize("name", [*DENSE, "qwen3-moe"])
+@pytest.mark.parametrize("name", [*DENSE, "qwen3-moe", "deepseek-v3"])
 def test_megatron_logits_equal_hf_logits(ranks, hf_logits, name):
     _, results = ranks
     for key in (name, f"{name}-etp1"):
@@ -168,7 +204,7 @@ def test_megatron_logits_equal_hf_logits(ranks, hf_logits, name):
             torch.testing.assert_close(got, hf_logits[name], rtol=0, atol=LOGITS_ATOL)
 
 
-@pytest.mark.parametrize("name", [*DENSE, "qwen3-moe"])
+@pytest.mark.parametrize("name", [*DENSE, "qwen3-moe", "deepseek-v3"])
 def test_stream_gives_back_the_checkpoint(ranks, zoo, name):
     from safetensors.torch import load_file
 
@@ -187,7 +223,7 @@ def test_stream_gives_back_the_checkpoint(ranks, zoo, name):
             assert other[case]["loaded"][1] == results[0][case]["loaded"][1]
 
 
-@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("name", [*DENSE, "deepseek-v3"])
 def test_after_a_step_the_stream_is_bitwise_what_the_model_holds(ranks, zoo, name):
     from safetensors.torch import load_file
 
@@ -203,7 +239,7 @@ def test_after_a_step_the_stream_is_bitwise_what_the_model_holds(ranks, zoo, nam
         assert rank[name]["unmapped_params"] == []
 
 
-def test_deepseek_v3_is_refused_by_name(zoo):
+def test_the_dense_and_qwen_moe_readers_refuse_deepseek_v3_by_name(zoo):
     from art_megatron_ext.lora.hf_config import UnmappedConfig
     from art_megatron_ext.lora.hf_moe_weights import MoeShape
     from art_megatron_ext.lora.tiny_gpt import GptShape

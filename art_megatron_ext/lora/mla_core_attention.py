@@ -1,11 +1,12 @@
 """A TE-style core attention for multi-latent attention (MLA) on the local (no-TE) spec.
 
 Why: Megatron's local `DotProductAttention` has no `k_channels` / `v_channels`, and MLA's
-q/k head (nope + rope = 24 in the zoo) differs from its v head (16), so the bridge's
-DeepSeek-V3 build fails with "unexpected keyword argument 'k_channels'" (fix 2 in
-docs/model-mapping.md). `TEDotProductAttention` has them; this takes TE's constructor
-arguments and computes softmax(q k^T * scale + mask) v with torch, in fp32.
-`run_bridge.py --fix` sets it as `core_attention` in every MLA layer spec; not run on its own.
+q/k head (nope + rope) differs from its v head, so a local-spec MLA model does not build
+("unexpected keyword argument 'k_channels'"; fix 2 in docs/model-mapping.md).
+`TEDotProductAttention` has them; this takes TE's constructor arguments and computes
+softmax(q k^T * scale + mask) v with torch, in fp32. `hf_deepseek.build_deepseek_gpt` sets it
+as `core_attention` in every layer spec (and `bench/bridge_eval/run_bridge.py --fix`).
+Packed sequences and attention biases are refused (`NotImplementedError`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class SdpaCoreAttention(MegatronModule):
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
         if attention_mask is None:  # causal
             s = scores.shape[-1]
-            attention_mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
+            attention_mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=q.device), 1)
         scores = scores.masked_fill(attention_mask, float("-inf"))
         out = torch.matmul(scores.softmax(-1), v.float()).to(query.dtype)  # [b, n, s, hv]
         b, n, s, hv = out.shape
