@@ -177,7 +177,10 @@ class BaseUpdater:
                     req.version,
                     self.engines,
                     admitted["server"],
+                    self.coordinator.paths,
                 )
+            except PathRefused as exc:
+                raise UpdateError(403, f"{exc}; {keeps}") from exc
             except base_files.WeightsRefused as exc:
                 raise UpdateError(422, f"{exc}; {keeps}") from exc
             except staging.StagingRefused as exc:

@@ -10,9 +10,11 @@ every root is refused (403), and the message shows the resolved path.
 The same holds for every file read from the directory (`ADAPTER_FILES`), each resolved on its
 own right before the read: a directory inside a root whose `adapter_model.safetensors` is a
 symlink to a file outside every root is refused (403, naming the file) without opening it.
-Symlinks that stay inside a root (a hub-cache layout of blobs) are followed. What this does not
-cover: a file swapped for such a link between the check and the read, which takes write access
-to the root (and with that one could write any adapter there anyway).
+Symlinks that stay inside a root (a hub-cache layout of blobs) are followed. A full-weight
+update's checkpoint directory is held to the same rule, file by file (its index, then the
+shards the index names: `base_files.write_stage`). What this does not cover: a file swapped
+for such a link between the check and the read, which takes write access to the root (and
+with that one could write any adapter there anyway).
 """
 
 from __future__ import annotations
@@ -76,12 +78,17 @@ class PathPolicy:
         return any(resolved == r or r in resolved.parents for r in (*self.roots, *roots))
 
     def check_files(
-        self, directory: str | Path, names: Iterable[str] = ADAPTER_FILES, trusted: bool = False
+        self,
+        directory: str | Path,
+        names: Iterable[str] = ADAPTER_FILES,
+        trusted: bool = False,
+        kind: str = "adapter",
     ) -> None:
         """Each file `directory/name`, every symlink resolved, must lie inside a root (a file
         that does not exist passes: reading it reports it missing). `trusted`: the directory
         itself counts as a root too (a committed version's directory, accepted when it was
-        committed: a start adapter, a pushed copy)."""
+        committed: a start adapter, a pushed copy). `kind` names the directory in the
+        refusal ("adapter", "checkpoint")."""
         extra = (Path(os.path.realpath(directory)),) if trusted else ()
         for name in names:
             file = Path(directory) / name
@@ -89,7 +96,7 @@ class PathPolicy:
             if not self.inside(target, extra):
                 where = ", ".join(map(str, (*self.roots, *extra)))
                 raise PathRefused(
-                    f"adapter file {file} resolves to {target}, outside every allowed root "
-                    f"({where}); a file of an adapter directory may not lead out of the roots "
+                    f"{kind} file {file} resolves to {target}, outside every allowed root "
+                    f"({where}); a file of an {kind} directory may not lead out of the roots "
                     "(pass --art-adapter-root to allow its target)"
                 )

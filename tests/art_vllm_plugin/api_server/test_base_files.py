@@ -1,10 +1,13 @@
 """A full-weight update's files, copied to a stage and checked there (`api_server/base_files.py`):
 the copy is the trainer's checkpoint with one marker directory per engine, and every misfit
 against the served checkpoint (names, shapes, dtypes, non-finite values) is named before any
-engine sees the files. No server: the API server calls these on a thread."""
+engine sees the files; a file that leads out of the allowed roots (403) or a truncated shard
+(422) is named. No server: the API server calls these on a thread."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from safetensors.torch import save_file
 from art_protocol.weights_digest import digest_checkpoint
 from art_vllm_plugin import staging
 from art_vllm_plugin.api_server import base_files
+from art_vllm_plugin.api_server.paths import PathPolicy, PathRefused
 from art_vllm_plugin.api_server.slot_publish import Engine
 
 SERVED = {
@@ -33,7 +37,9 @@ def checkpoint(path: Path, tensors: dict) -> Path:
 
 
 def write_stage(config, source: Path, version: int, engines, server: str = SERVER) -> Path:
-    return base_files.write_stage(config, source, version, engines, server)
+    """`base_files.write_stage` with the checkpoint's parent as the only allowed root."""
+    policy = PathPolicy.create([str(source.parent)], [], [])
+    return base_files.write_stage(config, source, version, engines, server, policy)
 
 
 def test_the_stage_is_a_copy_with_a_marker_directory_per_engine(tmp_path):
@@ -106,3 +112,63 @@ def test_a_final_update_removes_only_this_servers_older_base_stages(tmp_path):
     removed = staging.remove_superseded_base(root, 5, SERVER)
     assert sorted(removed) == sorted([ours[3], ours[4]])
     assert sorted(root.iterdir()) == sorted([ours[5], ours[6], *theirs, unnamed, lora])
+
+
+def test_a_file_linked_out_of_the_roots_is_refused_naming_it(tmp_path):
+    """The checkpoint directory lies inside the root; its `model.safetensors` is a symlink to
+    a file outside it (before: copied through the link, staged and served). The same rule as
+    an adapter's files (`PathPolicy.check_files`); nothing is staged."""
+    allowed, outside = tmp_path / "allowed", checkpoint(tmp_path / "outside", SERVED)
+    source = allowed / "ckpt"
+    source.mkdir(parents=True)
+    os.symlink(outside / "model.safetensors", source / "model.safetensors")
+    root = tmp_path / "shm"
+    root.mkdir()
+    with pytest.raises(PathRefused) as err:
+        write_stage(staging.StagingConfig(root), source, 3, [Engine(0, None)])
+    target = (outside / "model.safetensors").resolve()
+    assert f"checkpoint file {source / 'model.safetensors'} resolves to {target}" in str(err.value)
+    assert list(root.iterdir()) == []
+
+
+def test_an_index_or_shard_leading_out_of_the_roots_is_refused(tmp_path):
+    """A sharded checkpoint: the index is checked before it is read, then each shard it
+    names (here a shard name that climbs out of the directory)."""
+    allowed = tmp_path / "allowed"
+    checkpoint(tmp_path / "outside", SERVED)
+    source = allowed / "ckpt"
+    source.mkdir(parents=True)
+    index = {"weight_map": {"a.weight": "../../outside/model.safetensors"}}
+    (source / base_files.INDEX_FILE).write_text(json.dumps(index))
+    root = tmp_path / "shm"
+    root.mkdir()
+    with pytest.raises(PathRefused, match="outside every allowed root"):
+        write_stage(staging.StagingConfig(root), source, 3, [Engine(0, None)])
+    (source / base_files.INDEX_FILE).unlink()
+    os.symlink(tmp_path / "elsewhere.json", source / base_files.INDEX_FILE)
+    with pytest.raises(PathRefused, match=f"checkpoint file {source / base_files.INDEX_FILE}"):
+        write_stage(staging.StagingConfig(root), source, 3, [Engine(0, None)])
+    assert list(root.iterdir()) == []
+
+
+@pytest.mark.parametrize("cut", [1, 40, 10_000])
+def test_a_truncated_file_is_named(tmp_path, cut):
+    """A shard cut short (in the data, or inside its header): refused naming the file (before:
+    the safetensors reader's "Error while deserializing header", answered 500)."""
+    served = checkpoint(tmp_path / "served", SERVED)
+    bad = checkpoint(tmp_path / "bad", SERVED)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: max(4, len(data) - cut)])
+    with pytest.raises(base_files.WeightsRefused) as err:
+        base_files.check_stage(bad, served, "the update at /bad")
+    message = str(err.value)
+    assert message.startswith("the update at /bad does not fit the served model: model.safetensors")
+
+
+def test_a_file_longer_than_its_header_says_is_named(tmp_path):
+    served = checkpoint(tmp_path / "served", SERVED)
+    bad = checkpoint(tmp_path / "bad", SERVED)
+    with open(bad / "model.safetensors", "ab") as f:
+        f.write(b"\0" * 16)
+    with pytest.raises(base_files.WeightsRefused, match=r"model\.safetensors: longer than its"):
+        base_files.check_stage(bad, served, "the update")
