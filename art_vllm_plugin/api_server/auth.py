@@ -2,7 +2,9 @@
 
 When the server has a key (`--api-key`, repeatable, or `VLLM_API_KEY`), each `/art/*` request
 must carry `Authorization: Bearer <key>`, else 401: the same rule vLLM applies to its own
-`/v1/*`. Keys are compared as SHA-256 digests in constant time.
+`/v1/*`. Keys are compared as SHA-256 digests in constant time. vLLM's own control routes
+outside `/v1` (`/pause`, `/update_weights`, ...) are held to this same rule while the plugin
+is active (`control_routes.py`).
 
 Without a key, reading stays open as `/v1/models` is (GET: slots, capabilities, engine, leases;
 `/art/metrics` answers in `metrics_route.py` by the same rule), and so does generating
@@ -28,7 +30,7 @@ READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 #: POST routes that only generate, open whenever vLLM's `/v1/completions` is.
 GENERATION_ROUTES = frozenset({"/art/v1/completions", "/art/v1/chat/completions"})
 ALLOW_FLAG = "--art-allow-unauthenticated"
-UNAUTHORIZED = "missing or wrong API key for /art routes (send Authorization: Bearer <key>)"
+UNAUTHORIZED = "missing or wrong API key for {request} (send Authorization: Bearer <key>)"
 
 
 def configured_keys(cli_keys: Iterable[str] | None) -> list[bytes]:
@@ -62,7 +64,9 @@ def refusal(
 ) -> tuple[int, str] | None:
     """(status, message) when the request must be refused, else None."""
     if digests:
-        return None if key_matches(authorization, digests) else (401, UNAUTHORIZED)
+        if key_matches(authorization, digests):
+            return None
+        return 401, UNAUTHORIZED.format(request=f"{method.upper()} {route}")
     if allow_unauthenticated or not changes_state(method, route):
         return None
     return (

@@ -17,11 +17,20 @@ class ArtEndpointPlugin:
     required_tasks = ("generate",)  # every /art route needs a generating engine
 
     def attach_router(self, app) -> None:
-        from art_vllm_plugin.api_server import body_limits, metrics_route, route_completions
+        from art_vllm_plugin.api_server import (
+            body_limits,
+            control_routes,
+            metrics_route,
+            route_completions,
+        )
         from art_vllm_plugin.api_server.routes import router
+        from art_vllm_plugin.compat.api_server import control_routes as vllm_control_routes
 
         app.include_router(router)
         app.include_router(route_completions.router)
+        # vLLM's own control routes (registered before plugins attach): the key, and no
+        # weight change outside the plugin's versioning (control_routes.py).
+        app.add_middleware(control_routes.ControlRouteGuard, paths=vllm_control_routes(app))
         # Bodies to /art bounded before any route parses them (--art-max-body-bytes).
         app.add_middleware(body_limits.ArtBodyLimitMiddleware)
         app.add_middleware(metrics_route.ArtMetricsMiddleware)  # added last: runs first

@@ -167,3 +167,26 @@ def next_lora_int_id(serving_models) -> int:
     """A fresh LoRA id from the API server's counter (`OpenAIServingModels.lora_id_counter`,
     the one `load_lora_adapter` draws from), so it never collides with vLLM's own ids."""
     return serving_models.lora_id_counter.inc(1)
+
+
+#: The modules vLLM 0.32 registers its control routes from: the dev-mode routers
+#: (`VLLM_SERVER_DEV_MODE=1`: sleep, cache resets, `collective_rpc`, server info), the RL
+#: routers (pause/resume, the weight-transfer family) and elastic EP scaling. vLLM's own API
+#: key check (`AuthenticationMiddleware`) covers only `/v1/*`, so none of these ask for it.
+CONTROL_ROUTE_MODULES = (
+    "vllm.entrypoints.serve.dev.",
+    "vllm.entrypoints.rl.",
+    "vllm.entrypoints.serve.elastic_ep.",
+)
+
+
+def control_routes(app) -> frozenset[str]:
+    """Paths of the app's routes, registered by vLLM's control routers
+    (`CONTROL_ROUTE_MODULES`), that take a method other than a read (GET, HEAD, OPTIONS)."""
+    paths = set()
+    for route in getattr(app, "routes", ()):
+        module = getattr(getattr(route, "endpoint", None), "__module__", "") or ""
+        methods = set(getattr(route, "methods", None) or ()) - {"GET", "HEAD", "OPTIONS"}
+        if methods and module.startswith(CONTROL_ROUTE_MODULES):
+            paths.add(route.path)
+    return frozenset(paths)

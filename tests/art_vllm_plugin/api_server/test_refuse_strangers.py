@@ -1,5 +1,6 @@
 """A server started without an API key and without `--art-allow-unauthenticated` refuses
-every state-changing `/art` request (403, naming both flags) and changes nothing, while reads
+every state-changing `/art` request (403, naming both flags) and changes nothing, and so does
+vLLM's own control routes (dev mode: `/pause`, `/update_weights`, ...), while reads
 and generation answer as on any server; bodies over its `--art-max-body-bytes` get 413 and it
 keeps serving. On a real `vllm serve` of the tiny model. The same rule route by route, and the
 middleware, as units: `test_auth_rule.py`, `test_body_limits.py`."""
@@ -21,8 +22,8 @@ BODY_LIMIT = 4096
 def server(tiny_model, tiny_adapters, tmp_path_factory, server_log):
     """A server of its own: every shared kind either has a key or runs with
     `--art-allow-unauthenticated` (their hand-over publishes), and the default this module
-    checks is a server with neither. Test hooks on, so that refusing the fault and hold routes
-    is the guard's doing, not their absence."""
+    checks is a server with neither. Test hooks and vLLM's dev mode on, so that refusing the
+    fault and hold routes and vLLM's control routes is the guard's doing, not their absence."""
     root = tmp_path_factory.mktemp("strangers")
     for name in ("a", "b"):
         shutil.copytree(tiny_adapters / name, root / name)
@@ -33,7 +34,7 @@ def server(tiny_model, tiny_adapters, tmp_path_factory, server_log):
             *("--lora-modules", f"policy={root / 'a'}", "--art-adapter-root", str(root)),
             *("--art-max-body-bytes", str(BODY_LIMIT)),
         ),
-        env={"ART_TEST_HOOKS": "1"},
+        env={"ART_TEST_HOOKS": "1", "VLLM_SERVER_DEV_MODE": "1"},
         unset_env=("VLLM_PLUGINS", "VLLM_API_KEY"),
         log_path=server_log,
     )
@@ -80,6 +81,14 @@ def test_leases_and_test_hooks_are_refused(server):
     resp = httpx.delete(server.url + "/art/v1/leases/0123456789abcdef", timeout=60)
     _assert_refused(resp, "DELETE", "/art/v1/leases/{lease_id}")
     assert httpx.get(server.url + "/art/v1/leases", timeout=60).json() == []
+
+
+@pytest.mark.parametrize("route", ["/pause", "/sleep", "/collective_rpc", "/update_weights"])
+def test_vllms_control_routes_are_refused_too(server, route):
+    """Before: `/pause` paused the server for anyone (200); now the `/art` rule holds."""
+    resp = httpx.post(server.url + route, json={}, timeout=60)
+    _assert_refused(resp, "POST", route)
+    assert httpx.get(server.url + "/is_paused", timeout=60).json()["is_paused"] is False
 
 
 @pytest.mark.parametrize(
