@@ -13,7 +13,8 @@ them are declared and reached here, and nowhere else:
   marker for all; anything undeclared is refused); `attach_state` hangs the plugin's state
   on a vLLM object. Which patches each process role applies, in which order:
   `art_vllm_plugin/install.py`.
-- `platform`, `api_server`, `engine_core`, `worker`, `routes`, `provenance`, `step_rides`:
+- `platform`, `api_server`, `engine_core`, `worker`, `inplace_write`, `routes`, `provenance`,
+  `step_rides`:
   accessors, by the process role or feature that uses them; re-exported here, so callers write
   `compat.engine_scheduler(core)`.
 """
@@ -59,6 +60,7 @@ from art_vllm_plugin.compat.engine_core import (
     waiting_requests,
     worker_pids,
 )
+from art_vllm_plugin.compat.inplace_write import reload_weights_in_place
 from art_vllm_plugin.compat.patching import (
     UndeclaredPatch,
     VllmNameTaken,
@@ -129,7 +131,6 @@ from art_vllm_plugin.compat.worker import (
     pack_adapter,
     pin_lora_in_cpu_cache,
     registered_adapter,
-    reload_weights_in_place,
     replace_registered_adapter,
     runner_batch,
     runner_kv_layout,

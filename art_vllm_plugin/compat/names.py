@@ -465,6 +465,39 @@ FINALIZE_LAYERWISE_RELOAD = VllmName(
     "function",
     "re-runs each layer's process_weights_after_loading (CPU GEMM packing, quantization)",
 )
+_LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
+_RELOAD_INFO = "vllm.model_executor.model_loader.reload.types"
+GET_LAYERWISE_INFO = VllmName(
+    _LAYERWISE,
+    "get_layerwise_info",
+    "function",
+    "a failed in-place write is undone layer by layer (each layer's reload state)",
+)
+PLACE_KERNEL_TENSORS = VllmName(
+    _LAYERWISE,
+    "_place_kernel_tensors",
+    "function",
+    "puts back the tensors the forward reads on a layer a failed write left armed",
+)
+RELOAD_INFO_CAN_LOAD = VllmName(
+    _RELOAD_INFO, "LayerReloadingInfo.can_load", "method", "whether a layer is still armed"
+)
+RELOAD_INFO_KERNEL_TENSORS = VllmName(
+    _RELOAD_INFO,
+    "LayerReloadingInfo.kernel_tensors",
+    "attribute",
+    "the tensors the forward reads, kept while a layer reloads",
+)
+RELOAD_INFO_RESET = VllmName(
+    _RELOAD_INFO, "LayerReloadingInfo.reset", "method", "disarms a layer a failed write left armed"
+)
+SET_CURRENT_VLLM_CONFIG = VllmName(
+    "vllm.config.vllm",
+    "set_current_vllm_config",
+    "function",
+    "the in-place write runs in vLLM's config context, as vLLM's reloads do (weight "
+    "processing reads it: FP8 MoE kernels, DeepEP all2all set-up)",
+)
 GET_MODEL_LOADER = VllmName(
     "vllm.model_executor.model_loader",
     "get_model_loader",

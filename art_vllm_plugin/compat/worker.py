@@ -203,22 +203,6 @@ def adapter_is_3d(lora_model) -> bool:
     return bool(getattr(lora_model, "is_3d_lora_weight", False))
 
 
-def reload_weights_in_place(worker, weights) -> set[str] | None:
-    """Write `weights` ((HF name, tensor) pairs) into the worker's model in place, as vLLM's
-    `reload.inplace.reload_weights` does for checkpoint-format weights: every layer is
-    re-materialised, loaded through the model's own `load_weights` (fused QKV, gate/up,
-    tensor-parallel sharding) and processed again (`process_weights_after_loading`: the CPU
-    GEMM packing, quantization), with the processed values copied back into the tensors the
-    forward (and a captured graph) reads. Not `GPUModelRunner.reload_weights`: that also calls
-    `reset_lora_state()`, which would drop every loaded LoRA slot. Returns the names loaded."""
-    runner = worker_model_runner(worker)
-    model = runner.get_model()
-    load(names.INITIALIZE_LAYERWISE_RELOAD)(model)
-    loaded = model.load_weights(weights)
-    load(names.FINALIZE_LAYERWISE_RELOAD)(model, runner.vllm_config.model_config)
-    return loaded
-
-
 def served_weights(worker):
     """The served checkpoint's weights as vLLM loaded them at start ((name, tensor) pairs,
     read from the model's files again: `get_all_weights` of the configured loader)."""

@@ -17,9 +17,12 @@ two steps, put the previous weights back when told to.
 - `commit_locked`: between two steps, under the weights lock a forward also holds (a ride:
   `step_rides`), write the staged tensors into the model in place through vLLM's layerwise
   reload (`compat.reload_weights_in_place`: the model's own `load_weights`, then each layer's
-  weight processing again). LoRA slots stay as they are: their stacked tensors are separate
-  from the base weights, and the reset that vLLM's `reload_weights` adds is not called. A
-  failure writes the previous weights back before it answers.
+  weight processing again, inside vLLM's config context with the runner's config, as vLLM's
+  own reloads run). LoRA slots stay as they are: their stacked tensors are separate from the
+  base weights, and the reset that vLLM's `reload_weights` adds is not called. A failure,
+  even inside `load_weights` in the middle of a layer, is undone before anything else (every
+  layer vLLM's reload left armed gets its own tensors and a clean reload state back), then
+  the previous weights are written back, whole, before it answers.
 - `rollback_locked`: puts back the previous weights of a commit that another worker or
   engine failed (all or nothing).
 
@@ -43,6 +46,7 @@ import json
 from art_protocol.checkpoint_layout import checkpoint_files
 from art_protocol.weights_digest import WeightsDigest
 from art_vllm_plugin import compat, staging
+from art_vllm_plugin.worker import write_probes
 from art_vllm_plugin.worker.stager import STREAM, stage_in_background
 from art_vllm_plugin.worker.state import BaseUndo, StagedBase, worker_state
 
@@ -175,7 +179,7 @@ def _write_back(worker, undo: BaseUndo) -> str | None:
     else:
         weights, where = compat.served_weights(worker), "the served model's files"
     try:
-        compat.reload_weights_in_place(worker, weights)
+        compat.reload_weights_in_place(worker, write_probes.probed(worker, weights))
         return None
     except Exception as exc:
         return f"writing back the weights of {where} failed: {type(exc).__name__}: {exc}"
@@ -191,11 +195,12 @@ def commit_locked(worker, token: str, label: str | None, previous_dir: str | Non
         error = (staged and staged.error) or "nothing staged for this update"
         return {"ok": False, "rank": rank, "error": error, "restored": True}
     undo = BaseUndo(previous_dir, state.label, state.held_base)
+    fault = state.fault == "commit"  # test hook: fail inside the write (`write_probes`)
+    if fault:
+        state.fault = None
     try:
-        compat.reload_weights_in_place(worker, iter(staged.tensors.items()))
-        if state.fault == "commit":
-            state.fault = None
-            raise RuntimeError(f"injected commit failure on rank {rank} (test hook)")
+        weights = write_probes.probed(worker, staged.tensors, fail_mid_layer=fault)
+        compat.reload_weights_in_place(worker, weights)
     except Exception as exc:
         return {
             "ok": False,

@@ -16,6 +16,8 @@ Checked:
 - no prefix-cache hit across base versions (vLLM's own `cached_tokens`);
 - a commit that fails on engine 1 after engine 0 committed leaves both engines on the old
   weights (engine 0 reads them again), answered 500;
+- a write that fails inside `load_weights`, in the middle of a layer, is undone exactly: the
+  old weights' greedy tokens on both engines, the update answered 500;
 - bad updates (a missing tensor, another shape, a NaN, a wrong digest, a stale version, a
   failed compare-and-swap, a path outside the roots, a `slot` field) are refused naming the
   problem, and nothing changes; an `operation_id` replays;
@@ -162,6 +164,29 @@ def test_a_commit_failing_on_one_engine_leaves_both_on_the_old_weights(server):
     assert "engines [0] reverted" in resp.json()["error"]["message"]
     assert base_versions(server) == before
     assert [tokens(server, rank) for rank in (0, 1)] == old
+
+
+def test_a_write_failing_in_the_middle_of_a_layer_is_undone_exactly(server, new_weights, refs):
+    """The `commit` fault raises inside the model's `load_weights` right after one half of a
+    fused layer (`worker/write_probes.py`), which leaves that layer armed with half a pass
+    buffered in vLLM's layerwise reload. Writing the old weights back must first put every
+    layer's tensors and reload state back: otherwise that layer is processed early from a mix
+    of both passes and the rest of its old weights is dropped, while the answer says restored.
+    The old weights here are `new_weights`, whose greedy tokens Hugging Face gives."""
+    v = server.version()
+    resp = update(server, new_weights, v)
+    assert resp.status_code == 200, resp.text
+    assert [tokens(server, rank) for rank in (0, 1)] == [refs["new"], refs["new"]]
+    armed = httpx.post(
+        server.url + "/art/v1/test/fault", json={"kind": "commit", "rank": 0}, timeout=60
+    )
+    assert armed.status_code == 200, armed.text
+    bad = export(server, f"mid-layer-{uuid.uuid4().hex[:8]}", noise=0.05, seed=v)
+    failed = update(server, bad, server.version())
+    assert failed.status_code == 500, failed.text
+    assert "half of a layer" in failed.json()["error"]["message"]
+    assert base_versions(server) == [v, v]
+    assert [tokens(server, rank) for rank in (0, 1)] == [refs["new"], refs["new"]]
 
 
 def _drop(name: str):
