@@ -80,6 +80,7 @@ from art_vllm_plugin.compat.platform import (
     lora_request,
     num_experts,
     routes_use_worker_path,
+    set_thread_device,
 )
 from art_vllm_plugin.compat.provenance import (
     is_async_runner_output,
@@ -137,9 +138,11 @@ from art_vllm_plugin.compat.worker import (
     runner_request_block_ids,
     served_weights,
     set_aux_output,
+    worker_device,
     worker_lora_manager,
     worker_model_runner,
     worker_rank,
+    workers_per_engine,
 )
 
 __all__ = [
@@ -231,12 +234,14 @@ __all__ = [
     "set_engine_weight_label",
     "set_output_routed_experts",
     "set_output_weight_label",
+    "set_thread_device",
     "stat_logger_base",
     "total_layers",
     "vllm_version",
     "waiting_requests",
     "weight_transfer_engine_base",
     "weight_version_spans_so_far",
+    "worker_device",
     "worker_lora_manager",
     "worker_model",
     "worker_model_runner",
@@ -244,6 +249,7 @@ __all__ = [
     "worker_rank",
     "worker_tp_cpu_group",
     "worker_weight_transfer_engine",
+    "workers_per_engine",
     "wrap",
     "wrap_instance",
 ]

@@ -192,6 +192,12 @@ WORKER_PROC = VllmName(
 WORKER_RANK = VllmName(
     "vllm.v1.worker.worker_base", "WorkerBase.rank", "attribute", "names a worker's marker"
 )
+WORKER_DEVICE = VllmName(
+    "vllm.v1.worker.gpu_worker",
+    "Worker.device",
+    "attribute",
+    "the plugin's staging threads set it as theirs at start, as vLLM's worker threads do",
+)
 WORKER_MODEL_RUNNER = VllmName(
     "vllm.v1.worker.gpu_worker", "Worker.model_runner", "attribute", "holds the LoRA manager"
 )

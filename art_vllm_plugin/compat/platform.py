@@ -10,6 +10,13 @@ def is_cpu_platform() -> bool:
     return load(names.CURRENT_PLATFORM).is_cpu()
 
 
+def set_thread_device(device) -> None:
+    """Make the calling thread use `device` (`current_platform.set_device`), as vLLM's own
+    worker threads do first (`MultiprocExecutor.async_output_busy_loop`): a new thread does not
+    inherit the current device, and a CUDA call on it would create a context on device 0."""
+    load(names.CURRENT_PLATFORM).set_device(device)
+
+
 def routes_use_worker_path(vllm_config) -> bool:
     """True when the V1 runner of the CPU platform serves: the plugin's worker capture fills
     the native routed-experts output there (MRV2, if ever used on CPU, has its own)."""

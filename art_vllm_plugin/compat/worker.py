@@ -30,6 +30,17 @@ def worker_rank(worker) -> int:
     return int(getattr(worker, "rank", 0))
 
 
+def worker_device(worker):
+    """The device the worker computes on (`Worker.device`), or None before `init_device`."""
+    return getattr(worker, "device", None)
+
+
+def workers_per_engine(worker) -> int:
+    """Workers of this worker's engine (tensor x pipeline parallel): more than one means the
+    forward runs collectives across them."""
+    return int(worker_model_runner(worker).vllm_config.parallel_config.world_size)
+
+
 def adapter_model_manager(worker_manager):
     """The `LRUCacheLoRAModelManager` behind a worker LoRA manager."""
     return worker_manager._adapter_manager

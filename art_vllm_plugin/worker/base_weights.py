@@ -5,15 +5,21 @@ two steps, put the previous weights back when told to.
   (the stage directory the API server wrote, in the served model's Hugging Face names) into
   host memory, then leave `ready.<rank>` / `failed.<rank>` in the marker directory
   (`art_vllm_plugin.staging`). Nothing the model uses is touched.
-- `stage` of a stream (the source is a transfer plan, `art_protocol.weight_transfer`): on the
-  worker's stream-receiving thread (a lane of its own: LoRA stages never wait behind a
-  trainer's stream), receive the trainer's stream through the weight-transfer engine vLLM built
+- `stage` of a stream (the source is a transfer plan, `art_protocol.weight_transfer`): receive
+  the trainer's stream through the weight-transfer engine vLLM built
   from `--weight-transfer-config`, retargeted at a host sink instead of the model
   (`set_weight_update_target`), so any engine that delivers through `model.load_weights`
   (vLLM's NCCL and IPC engines, `art_gloo` here) stages instead of writing live weights. The
   ready marker carries the digest of what arrived, which the API server compares across
   workers and with the request; a NaN, a tensor missing or a digest that does not match is a
-  refusal (`adapter` kind: 422).
+  refusal (`adapter` kind: 422). Where: an engine of one worker receives on the worker's
+  stream-receiving thread (a lane of its own: LoRA stages never wait behind a trainer's
+  stream) while serving goes on, as its forward runs no collective. An engine of several
+  workers receives between steps: in the stage ride itself, which every worker runs at the
+  same step before the forward (or in the same RPC when the engine is idle), so the stream's
+  collectives and the forward's tensor- and pipeline-parallel ones run in one order on every
+  worker and never at the same time (two communicators' collectives issued in different
+  orders on two ranks is a known NCCL deadlock); that engine's steps wait for the stream.
 - `commit_locked`: between two steps, under the weights lock a forward also holds (a ride:
   `step_rides`), write the staged tensors into the model in place through vLLM's layerwise
   reload (`compat.reload_weights_in_place`: the model's own `load_weights`, then each layer's
@@ -163,7 +169,10 @@ def stage(worker, token: str, source, marker_dir: str, digest: str | None = None
     staged = worker_state(worker).staged_base[token] = StagedBase()
     if isinstance(source, dict):
         job = functools.partial(_stage_stream, worker, staged, source, digest, marker_dir, rank)
-        stage_in_background(worker, job, STREAM)
+        if compat.workers_per_engine(worker) > 1:
+            job()  # between steps (see the module docstring)
+        else:
+            stage_in_background(worker, job, STREAM)
     else:
         job = functools.partial(_stage, worker, staged, source, marker_dir, rank)
         stage_in_background(worker, job)

@@ -1,0 +1,124 @@
+"""Where and on which device a worker receives a full-weight stream (`worker/stager.py`,
+`worker/base_weights.stage`).
+
+Why: a thread does not inherit the current device of the thread that started it; a CUDA call
+on it would create a context on device 0 (vLLM's own worker threads set the worker's device
+first: `MultiprocExecutor`'s output thread). And the stream's collectives must not run while
+the forward's tensor-parallel collectives run on another communicator (a known NCCL deadlock
+pattern, when two ranks issue them in different orders): an engine of several workers
+receives between steps, in the stage ride every worker runs at the same step before the
+forward; an engine of one worker has no such collectives and receives on its own thread while
+serving goes on.
+
+The worker here is a stand-in (a device, a runner config, a weight-transfer engine that
+records the thread it receives on); vLLM's platform is the real one, its `set_device` recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from art_vllm_plugin import compat, staging
+from art_vllm_plugin.worker import step_rides
+from art_vllm_plugin.worker.stager import STREAM, stage_in_background
+from art_vllm_plugin.worker.state import worker_state
+
+pytestmark = pytest.mark.serve
+
+#: Ceiling for a staging thread to run a job it was handed (not a timed assertion).
+THREAD_CEILING_S = 60.0
+PLAN = {"round": "r1", "names": ["w"], "dtypes": ["float32"], "shapes": [[2]]}
+
+
+class _Engine:
+    """A weight-transfer engine that delivers one tensor to its target and records where."""
+
+    update_info_cls = SimpleNamespace  # takes no `round` or `digest`
+
+    def __init__(self):
+        self.threads: list[str] = []
+        self.received = threading.Event()
+        self.target = None
+
+    def set_weight_update_target(self, target, model_config) -> None:
+        self.target = target
+
+    def reset_weight_update_target(self) -> None:
+        self.target = None
+
+    def parse_update_info(self, info: dict) -> dict:
+        return info
+
+    def receive_weights(self, info: dict) -> None:
+        self.threads.append(threading.current_thread().name)
+        self.target.load_weights([("w", torch.ones(2))])
+        self.received.set()
+
+
+def _worker(workers_per_engine: int) -> SimpleNamespace:
+    parallel = SimpleNamespace(world_size=workers_per_engine)
+    config = SimpleNamespace(model_config=None, parallel_config=parallel)
+    return SimpleNamespace(
+        rank=0,
+        device=torch.device("cpu"),
+        weight_transfer_engine=_Engine(),
+        model_runner=SimpleNamespace(vllm_config=config),
+    )
+
+
+@pytest.fixture
+def device_calls(monkeypatch) -> list:
+    """(thread name, device) of every `current_platform.set_device` call."""
+    calls: list = []
+    platform = compat.load(compat.names.CURRENT_PLATFORM)
+
+    def set_device(device) -> None:
+        calls.append((threading.current_thread().name, device))
+
+    monkeypatch.setattr(platform, "set_device", set_device)
+    return calls
+
+
+def test_a_staging_thread_uses_the_workers_device_before_its_first_job(device_calls):
+    worker = _worker(1)
+    ran = threading.Event()
+    seen: list = []
+
+    def job() -> None:
+        seen.append((threading.current_thread().name, list(device_calls)))
+        ran.set()
+
+    stage_in_background(worker, job, STREAM)
+    assert ran.wait(THREAD_CEILING_S)
+    thread = f"art-{STREAM}"
+    assert seen == [(thread, [(thread, worker.device)])]
+
+
+def _stage_ride(worker, marker_dir) -> list:
+    """The stream's stage ride, run as a step runs it: under the weights lock, before the
+    forward."""
+    ride = (step_rides.BASE_STAGE, "t1", (PLAN, str(marker_dir), None))
+    with worker_state(worker).weights_lock:
+        return step_rides.run(worker, [ride])
+
+
+def test_an_engine_of_several_workers_receives_between_steps(tmp_path, device_calls):
+    worker = _worker(2)
+    _stage_ride(worker, tmp_path)
+    # received on the step's own thread, before the ride returned (so before the forward)
+    assert worker.weight_transfer_engine.threads == [threading.current_thread().name]
+    assert staging.poll(tmp_path, [0]) == ([0], {})
+    assert list(worker_state(worker).staged_base["t1"].tensors) == ["w"]
+
+
+def test_an_engine_of_one_worker_receives_on_its_own_thread(tmp_path, device_calls):
+    worker = _worker(1)
+    _stage_ride(worker, tmp_path)
+    engine = worker.weight_transfer_engine
+    assert engine.received.wait(THREAD_CEILING_S)
+    assert engine.threads == [f"art-{STREAM}"]
+    assert (f"art-{STREAM}", worker.device) in device_calls
