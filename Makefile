@@ -4,6 +4,7 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 SERVE := .venv-serve
+SERVE34 := .venv-serve34
 TRAIN := .venv-train
 TINY := .cache/tiny
 
@@ -16,7 +17,7 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help envs serve-env train-env tiny demo demo-serve test test-serve test-serve-v2 test-serve-v1 test-train lint clean gpu-carry
+.PHONY: help envs serve-env serve34-env train-env tiny demo demo-serve test test-serve test-serve-v2 test-serve-v1 test-train lint clean gpu-carry
 help:
 	@echo "make demo   - Pipeline RL end to end on the tiny model (vLLM server, Megatron trainer, rollouts)"
 	@echo "make demo-serve - serve the tiny model with --plugin art and show what the plugin does"
@@ -48,6 +49,21 @@ $(SERVE)/.triton-ready: $(SERVE)/.base-ready scripts/setup_triton_interpreter.sh
 	bash scripts/setup_triton_interpreter.sh
 	touch $@
 
+# vLLM 0.34 (Model Runner V2 only) from the CPU wheel in ../shared/vllm-0.34-cpu/, with Triton
+# and the two interpreter patches inside the environment (scripts/setup_serve34_env.sh).
+# Cold: about 2 min on this 2-core machine (1m38s-1m59s, 2026-12-07, shared with other work),
+# 3.3 GB; then a no-op. Not part of `make envs` (yet): only the 0.34 test lane needs it.
+$(SERVE34)/.base-ready: scripts/setup_serve34_env.sh scripts/_steps.sh
+	bash scripts/setup_serve34_env.sh
+	touch $@
+# The 0.34 wheel requires torchvision / torchaudio / torchcodec (CUDA builds that break a CPU
+# torch): every install that resolves vLLM brings them back, so they go again after it.
+$(SERVE34)/.project-ready: $(SERVE34)/.base-ready pyproject.toml
+	@echo "[serve34] install art-pipeline (editable) with extras vllm,dev"
+	$(SERVE34)/bin/python -m pip install -q -e ".[vllm,dev]"
+	$(SERVE34)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+serve34-env: $(SERVE34)/.project-ready
 serve-env: $(SERVE)/.project-ready
 train-env: $(TRAIN)/.project-ready
 # The two environments install side by side (each mostly waits on downloads and unpacking:
@@ -136,4 +152,4 @@ lint: serve-env
 	$(SERVE)/bin/ruff format --check $(PY_DIRS)
 
 clean:
-	rm -rf $(SERVE) $(TRAIN) .cache
+	rm -rf $(SERVE) $(SERVE34) $(TRAIN) .cache
