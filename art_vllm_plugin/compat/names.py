@@ -457,6 +457,18 @@ GET_TP_GROUP = VllmName(
     "function",
     "a commit riding a step: the tensor-parallel ranks agree on it (its CPU group)",
 )
+GET_PCP_GROUP = VllmName(
+    "vllm.distributed.parallel_state",
+    "get_pcp_group",
+    "function",
+    "a commit: the prefill-context-parallel ranks of the engine agree on it too (its CPU group)",
+)
+GET_PP_GROUP = VllmName(
+    "vllm.distributed.parallel_state",
+    "get_pp_group",
+    "function",
+    "a commit: the pipeline stages of the engine agree on it too (its CPU group)",
+)
 
 # -- full-weight updates (worker/base_weights.py) ---------------------------------------------
 INITIALIZE_LAYERWISE_RELOAD = VllmName(

@@ -4,8 +4,12 @@
 vLLM 0.32: `EngineCore.step` / `step_with_batch_queue` call `scheduler.schedule()` and send
 the `SchedulerOutput` (a plain dataclass, pickled to every worker by the multiprocessing
 executor, so an extra attribute travels with it) only while `scheduler.has_requests()`;
-otherwise the busy loop waits for input without stepping. The tensor-parallel ranks of one
-engine share `get_tp_group()`, whose `cpu_group` is a gloo group on every platform.
+otherwise the busy loop waits for input without stepping. One engine's workers are the grid
+pipeline stage x prefill-context rank x tensor-parallel rank (`parallel_config.world_size`;
+`initialize_model_parallel` lays ranks out as DP x PP x PCP x TP); along each axis they share
+a group (`get_tp_group()`, `get_pcp_group()`, `get_pp_group()`), whose `cpu_group` is a gloo
+group on every platform. No group spans exactly one engine (the world group spans every
+data-parallel engine), so an agreement over the engine goes along the three axes in turn.
 """
 
 from __future__ import annotations
@@ -32,6 +36,17 @@ def worker_tp_cpu_group():
     """The CPU group of this worker's tensor-parallel ranks; None when it is alone."""
     group = load(names.GET_TP_GROUP)()
     return group.cpu_group if group.world_size > 1 else None
+
+
+def worker_engine_cpu_groups() -> list:
+    """The CPU groups along which this worker's engine spans several workers, innermost axis
+    first (tensor parallel, prefill context parallel, pipeline stages): an all-reduce along
+    each in turn sums over every worker of the engine, and over no other engine's."""
+    groups = [worker_tp_cpu_group()]
+    for name in (names.GET_PCP_GROUP, names.GET_PP_GROUP):
+        group = load(name)()
+        groups.append(group.cpu_group if group.world_size > 1 else None)
+    return [g for g in groups if g is not None]
 
 
 def count_across(group, n: int) -> int:

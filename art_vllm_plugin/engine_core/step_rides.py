@@ -82,7 +82,9 @@ class Ride:
 
 def rides_enabled(core) -> bool:
     """Rides need the stamped scheduler (it attaches them) and one pipeline stage (every
-    worker then runs each step's `execute_model` before its forward)."""
+    worker then runs each step's `execute_model` before its forward). With pipeline stages
+    the rides go as an RPC at once (`flush`), which the executor orders after the batches in
+    flight, and every worker's answer comes back (`engine_results`)."""
     return engine_state(core).stamps.scheduler_stamped and compat.engine_pipeline_stages(core) == 1
 
 
@@ -123,7 +125,32 @@ def flush(core, state: EngineCoreState) -> None:
         # blocked), and the caller learns of the error (a utility call fails with it).
         _settle(rides, [_unknown(r, f"the workers' RPC failed: {exc}") for r in rides])
         raise
-    _settle(rides, results[0])
+    _settle(rides, engine_results(rides, results))
+
+
+def engine_results(rides: list[Ride], per_worker: list[list]) -> list:
+    """One result per ride from every worker's results (`collective_rpc` answers one list per
+    worker), not from worker 0's alone: the workers agree on a commit before they answer
+    (`worker/engine_agreement.py`), so their results are equal; if they were not, the
+    engine's outcome is not known, and a commit is answered so (its weights unrestored:
+    the slot is blocked) rather than as worker 0 saw it."""
+    out = []
+    for i, ride in enumerate(rides):
+        results = [worker[i] for worker in per_worker]
+        if ride.kind not in (COMMIT, BASE_COMMIT):
+            out.append(results[0])
+            continue
+        ok = [rank for rank, r in enumerate(results) if r["ok"]]
+        errors = list(dict.fromkeys(e for r in results for e in r["errors"]))
+        swap_ms = max(r["swap_ms"] for r in results)
+        if len(ok) == len(results):
+            out.append({**results[0], "swap_ms": swap_ms})
+            continue
+        if ok:
+            errors.append(f"the workers disagree: workers {ok} report the commit done")
+        restored = not ok and all(r["restored"] for r in results)
+        out.append({"ok": False, "errors": errors, "restored": restored, "swap_ms": swap_ms})
+    return out
 
 
 def before_schedule(state: EngineCoreState) -> None:

@@ -8,11 +8,12 @@ on the new weights and reports the new label. When the engine will not step (idl
 EngineCore sends the same rides as one RPC (`art_run_rides`) instead.
 
 A commit is all or nothing across the engine's workers *before* any forward uses it: each
-tensor-parallel rank swaps, then the ranks agree (one all-reduce of a failure count on the
-tensor-parallel CPU group; the messages are gathered only when one failed); where any failed,
-the ranks that swapped put their previous weights back at once. So no step ever computes on
-weights mixed across ranks, and the result every rank returns is the engine's result (the
-executor hands EngineCore the output of one rank only).
+worker (every tensor-parallel rank of every pipeline stage) swaps, then they all agree (an
+all-reduce of a failure count along each axis of the engine, `engine_agreement`; the messages
+are gathered only when one failed); where any failed, the workers that swapped put their
+previous weights back at once. So no step ever computes on weights mixed across workers or
+stages, and the result every worker returns is the engine's result (the executor hands
+EngineCore the output of one rank only: the last stage's first rank for a step).
 
 An abort ride drops a staged update; a final ride drops the undo copy of a commit that can no
 longer be reverted (the update finished on every engine). A stage ride only starts the
@@ -26,7 +27,8 @@ import functools
 import time
 
 from art_vllm_plugin import compat, staging
-from art_vllm_plugin.worker import base_weights, lora_slot_writer
+from art_vllm_plugin.compat.step_rides import worker_engine_cpu_groups
+from art_vllm_plugin.worker import base_weights, engine_agreement, lora_slot_writer
 from art_vllm_plugin.worker.state import worker_state
 
 #: Ride kinds, as EngineCore sends them: (kind, token, args).
@@ -100,8 +102,8 @@ def art_run_rides(self, rides: list[tuple]) -> list[dict | None]:
 
 
 def _commit_everywhere(worker, token: str, commit, rollback) -> dict:
-    """`commit(worker, token)` on this rank, then the tensor-parallel ranks agree; where any
-    failed, the ranks that committed `rollback(worker, token)` at once."""
+    """`commit(worker, token)` on this rank, then every worker of the engine agrees; where
+    any failed, the workers that committed `rollback(worker, token)` at once."""
     t0 = time.perf_counter()
     try:
         mine = commit(worker, token)
@@ -113,10 +115,10 @@ def _commit_everywhere(worker, token: str, commit, rollback) -> dict:
             "error": f"{type(exc).__name__}: {exc}",
             "restored": True,
         }
-    group = compat.worker_tp_cpu_group()
+    groups = worker_engine_cpu_groups()
     outcomes = [mine]
-    if group is not None and compat.count_across(group, 0 if mine["ok"] else 1):
-        outcomes = compat.gather_across(group, mine)
+    if groups and engine_agreement.count(groups, 0 if mine["ok"] else 1):
+        outcomes = engine_agreement.gather(groups, mine)
     failed = [o for o in outcomes if not o["ok"]]
     restored = True
     if failed:
@@ -125,8 +127,8 @@ def _commit_everywhere(worker, token: str, commit, rollback) -> dict:
             back = rollback(worker, token)
             restored = restored and back["ok"]
             mine = {**mine, "ok": False, "restored": back["ok"], "error": back.get("error")}
-        if group is not None:  # every rank must learn whether every rank restored
-            restored = not compat.count_across(group, 0 if restored else 1)
+        if groups:  # every worker must learn whether every worker restored
+            restored = not engine_agreement.count(groups, 0 if restored else 1)
     return {
         "ok": not failed,
         "errors": [f"rank {o['rank']}: {o['error']}" for o in failed],

@@ -209,6 +209,36 @@ def _dp2(p: KindPaths):
     )
 
 
+# -- pp2: two pipeline stages ------------------------------------------------------------------
+# Its own kind, not folded into tp2 or dp2: pipeline stages are the subject (every stage must
+# agree on a commit, and EngineCore must settle from every stage's answer, issue 36 item 4),
+# and tp2's tests compare receipts and tokens with a one-worker engine, dp2's pin requests to
+# engines. float32 so Hugging Face's greedy tokens are the reference of the full-weight
+# checks; one module uses it (test_pipeline_parallel), and it changes the base weights.
+def _pp2_slots(p: KindPaths) -> dict[str, Path]:
+    return _starts(p.start, p.tiny_adapters, {"policy": "a", "ref_b": "b"})
+
+
+def _pp2(p: KindPaths):
+    from art_vllm_plugin.serve_process import tiny_lora_args
+
+    return _config(
+        p.tiny_model,
+        (
+            *tiny_lora_args(max_loras=2),
+            *("--pipeline-parallel-size", "2", "--dtype", "float32"),
+            *_modules(_pp2_slots(p)),
+            *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
+            *OPEN,
+        ),
+        {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "ART_TEST_HOOKS": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": _two_cpus(),
+        },
+    )
+
+
 # -- moe_routes: the tiny Qwen3-MoE with --art-routes, no LoRA ----------------------------------
 #: The route response size limit the MoE server runs with (test_route_serving checks the 413).
 ROUTES_MAX_BYTES = 16384
@@ -262,6 +292,7 @@ KINDS: dict[str, Kind] = {
             _tp2_slots,
         ),
         Kind("dp2", "--data-parallel-size 2, float32, fault hook, dev mode", _dp2, _dp2_slots),
+        Kind("pp2", "--pipeline-parallel-size 2, float32, fault hook, dev mode", _pp2, _pp2_slots),
         Kind("moe_routes", "tiny Qwen3-MoE, --art-routes, no LoRA", _moe_routes, lambda p: {}),
     )
 }
