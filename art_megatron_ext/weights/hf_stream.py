@@ -32,12 +32,16 @@ vocabulary (`build_gpt(make_vocab_size_divisible_by=...)`) is trimmed to the che
 tied embeddings send `model.embed_tokens.weight` once and no `lm_head.weight`, as the served
 checkpoint has them.
 
+DeepSeek-V3 (`lora.hf_deepseek`): a layer with multi-latent attention streams its seven MLA
+tensors (`mla_stream`); an MoE layer also streams its router's `expert_bias` buffer as
+`mlp.gate.e_score_correction_bias` and its shared expert as `mlp.shared_experts.*`.
+
 Scope: the dense Llama/Qwen GPT of `lora.tiny_gpt` (local or Transformer Engine spec, any TP size,
-q/k/v biases, q/k norms) and the MoE GPT above (local spec, any TP, EP and expert-TP size as its
+q/k/v biases, q/k norms), the MoE GPT above (local spec, any TP, EP and expert-TP size as its
 loader; experts as `SequentialMLP`, our `ArtGroupedMLP` or `TEGroupedMLP`, the grouped ones at
-expert-TP 1), one pipeline stage. Refused by name before anything is sent: pipeline stages, a
-`HybridModel`, shared experts and any other expert parameter, which the HF MoE mapping does not
-read.
+expert-TP 1) and the DeepSeek-V3 GPT, one pipeline stage. Refused by name before anything is
+sent: pipeline stages, a `HybridModel`, a shared-expert gate and any other expert parameter the
+HF mappings do not read.
 """
 
 from __future__ import annotations

@@ -41,6 +41,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from support.zoo_serving import (
+    N_TOKENS,
+    PROMPTS,
+    VOCAB,
+    assert_same_greedy,
+    served_greedy,
+)
 
 pytestmark = pytest.mark.serve
 
@@ -48,26 +55,11 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN_PYTHON = REPO / ".venv-train" / "bin" / "python"
 TRAIN_SIDE = REPO / "tests" / "cross_env" / "zoo_train_side.py"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-VOCAB = 1030
 PADDED_VOCAB = 1152  # 1030 rounded up to a multiple of 128
-N_TOKENS = 16
-TIE_GAP = 1e-4
-LOGPROB_ATOL = 1e-4
 LORA = "zoo"
 TIED = {"qwen2.5": True, "qwen3": False, "llama3.2": True}  # the models, and which are tied
 MODELS = sorted(TIED)
 LORA_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-
-
-def _prompts() -> list[list[int]]:
-    """bos, then seeded ids above the special tokens; the last row (1029) in the first."""
-    g = torch.Generator().manual_seed(34)
-    prompts = [[1, *torch.randint(6, VOCAB, (n,), generator=g).tolist()] for n in (7, 19, 40)]
-    prompts[0][3] = VOCAB - 1
-    return prompts
-
-
-PROMPTS = _prompts()
 
 
 @pytest.fixture(scope="module")
@@ -144,28 +136,8 @@ def _hf_references(model: dict) -> dict[str, list]:
     return out
 
 
-def _served_greedy(url: str, model: str) -> list[tuple[list[int], list[float]]]:
-    """vLLM's greedy tokens and their log-probabilities for every prompt (one request)."""
-    resp = httpx.post(
-        url + "/v1/completions",
-        json={
-            "model": model,
-            "prompt": PROMPTS,
-            "max_tokens": N_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "logprobs": 1,
-        },
-        timeout=600,
-    )
-    assert resp.status_code == 200, resp.text
-    choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
-    return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
-
-
 def _served_both(url: str, model: dict) -> dict[str, list]:
-    return {"base": _served_greedy(url, str(model["full"])), "lora": _served_greedy(url, LORA)}
+    return {"base": served_greedy(url, str(model["full"])), "lora": served_greedy(url, LORA)}
 
 
 @pytest.fixture(scope="module")
@@ -250,32 +222,14 @@ def test_served_vocabulary_is_the_checkpoints(served, exported, name):
     assert f"Token id {VOCAB} is out of vocabulary" in resp.text
 
 
-def _assert_same_greedy(served: list, refs: list, what: str) -> None:
-    """Same tokens up to the first near tie of each prompt, and on those the same
-    log-probabilities within LOGPROB_ATOL."""
-    from support.zoo_serving import compared_prefix
-
-    compared = 0
-    worst = 0.0
-    for p, ((tokens, logprobs), ref) in enumerate(zip(served, refs, strict=True)):
-        n = compared_prefix(ref.gaps, TIE_GAP)
-        assert tokens[:n] == ref.tokens[:n], f"{what}, prompt {p}: vLLM {tokens} != HF {ref.tokens}"
-        errors = [abs(a - b) for a, b in zip(logprobs[:n], ref.logprobs[:n], strict=True)]
-        worst = max(worst, *errors)
-        assert max(errors) <= LOGPROB_ATOL, f"{what}, prompt {p}: logprob errors {errors}"
-        compared += n
-    print(f"{what}: {compared} tokens equal, logprobs within {worst:.1e}")
-    assert compared >= len(refs) * N_TOKENS * 3 // 4, f"{what}: too many near ties"
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_served_greedy_tokens_equal_hf(served, name):
-    _assert_same_greedy(served[name]["vllm"]["base"], served[name]["hf"]["base"], name)
+    assert_same_greedy(served[name]["vllm"]["base"], served[name]["hf"]["base"], name)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_served_lora_greedy_tokens_equal_hf_peft(served, name):
-    _assert_same_greedy(served[name]["vllm"]["lora"], served[name]["hf"]["lora"], f"{name}+lora")
+    assert_same_greedy(served[name]["vllm"]["lora"], served[name]["hf"]["lora"], f"{name}+lora")
 
 
 @pytest.mark.parametrize("name", MODELS)

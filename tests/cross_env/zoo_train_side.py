@@ -1,7 +1,9 @@
 """Training-environment side of `test_model_zoo_serving.py`: step, export, attach LoRA, export.
 
 Run with `.venv-train/bin/python tests/cross_env/zoo_train_side.py --model NAME=HF_DIR ...
---out ROOT`. Per model, in one process (one gloo world of 1, TP = 1, fp32, CPU):
+--out ROOT` (and `--full-only NAME=HF_DIR` for a model that gets the step and no adapter: the
+MoE families, whose LoRA the CPU build of vLLM does not serve). Per model, in one process (one
+gloo world of 1, TP = 1, fp32, CPU; dense, Qwen3-MoE or DeepSeek-V3 by its `model_type`):
 - `full`: the checkpoint is loaded into a Megatron GPT whose vocabulary is padded as Megatron
   trainers pad it (`make_vocab_size_divisible_by=128`), takes one Adam step on a cross-entropy
   over the real vocabulary columns only (the padded columns get no gradient, so their rows
@@ -38,13 +40,36 @@ BATCH, SEQ = 2, 32
 
 
 def _build(hf_dir: str):
-    from art_megatron_ext.lora.hf_weights import load_hf_weights
-    from art_megatron_ext.lora.tiny_gpt import GptShape, build_gpt
+    """The checkpoint in its family's Megatron model: dense Llama/Qwen and DeepSeek-V3 with
+    the vocabulary padded, Qwen3-MoE unpadded (its builder does not pad)."""
+    from art_megatron_ext.lora.hf_config import read_config
 
-    shape = GptShape.from_hf_config(hf_dir)
+    kind = read_config(hf_dir)["model_type"]
     torch.manual_seed(0)
-    model = build_gpt(shape, make_vocab_size_divisible_by=DIVISIBLE)
-    load_hf_weights(model, hf_dir, shape)
+    if kind == "qwen3_moe":
+        from art_megatron_ext.lora.hf_moe_weights import (
+            MoeShape,
+            build_moe_gpt,
+            load_hf_moe_weights,
+        )
+
+        shape = MoeShape.from_hf_config(hf_dir)
+        model = build_moe_gpt(shape)
+        load_hf_moe_weights(model, hf_dir, shape)
+    elif kind == "deepseek_v3":
+        from art_megatron_ext.lora.hf_deepseek import DeepseekShape, build_deepseek_gpt
+        from art_megatron_ext.lora.hf_deepseek_weights import load_hf_deepseek_weights
+
+        shape = DeepseekShape.from_hf_config(hf_dir)
+        model = build_deepseek_gpt(shape, make_vocab_size_divisible_by=DIVISIBLE)
+        load_hf_deepseek_weights(model, hf_dir, shape)
+    else:
+        from art_megatron_ext.lora.hf_weights import load_hf_weights
+        from art_megatron_ext.lora.tiny_gpt import GptShape, build_gpt
+
+        shape = GptShape.from_hf_config(hf_dir)
+        model = build_gpt(shape, make_vocab_size_divisible_by=DIVISIBLE)
+        load_hf_weights(model, hf_dir, shape)
     return model, shape
 
 
@@ -116,9 +141,10 @@ def _adapter(hf_dir: str, out: Path, base_name: str) -> dict:
     return {"lora_sites": sites}
 
 
-def run(models: dict[str, str], root: Path) -> dict:
+def run(models: dict[str, str], root: Path, full_only: dict[str, str]) -> dict:
     from megatron.core import parallel_state
 
+    from art_megatron_ext.cpu_stand_in import cpu_shim
     from art_megatron_ext.lora.cpu_runtime import cpu_megatron
 
     summary = {}
@@ -128,13 +154,14 @@ def run(models: dict[str, str], root: Path) -> dict:
         )
         parallel_state.initialize_model_parallel(1, 1)
         try:
-            with cpu_megatron():
-                for name, hf_dir in models.items():
+            with cpu_megatron(), cpu_shim():  # MoE layers ask for CUDA streams
+                for name, hf_dir in {**models, **full_only}.items():
                     out = root / name
                     out.mkdir(parents=True, exist_ok=True)
-                    full = _full(hf_dir, out / "full")
-                    lora = _adapter(hf_dir, out / "adapter", str(out / "full"))
-                    summary[name] = {**full, **lora}
+                    summary[name] = _full(hf_dir, out / "full")
+                    if name in models:
+                        lora = _adapter(hf_dir, out / "adapter", str(out / "full"))
+                        summary[name].update(lora)
         finally:
             parallel_state.destroy_model_parallel()
             torch.distributed.destroy_process_group()
@@ -143,11 +170,15 @@ def run(models: dict[str, str], root: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", action="append", required=True, help="NAME=HF_DIR")
+    parser.add_argument("--model", action="append", default=[], help="NAME=HF_DIR")
+    parser.add_argument(
+        "--full-only", action="append", default=[], help="NAME=HF_DIR: the step, no adapter"
+    )
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     models = dict(spec.split("=", 1) for spec in args.model)
-    print(json.dumps(run(models, args.out)))
+    full_only = dict(spec.split("=", 1) for spec in args.full_only)
+    print(json.dumps(run(models, args.out, full_only)))
     return 0
 
 

@@ -111,13 +111,19 @@ ZOO: dict[str, tuple[str, dict]] = {
             n_group=4,
             topk_group=2,
             routed_scaling_factor=2.5,
+            # in the published config.json (HF's class has no such fields and ignores them;
+            # vLLM builds the score-correction bias only for "noaux_tc")
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
             first_k_dense_replace=1,
             q_lora_rank=32,
-            kv_lora_rank=16,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            head_dim=8,
+            # DeepSeek-V3's latent (512) and rope (64) widths: vLLM's CPU MLA kernels run
+            # only a 576-wide latent cache
+            kv_lora_rank=512,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=64,
+            v_head_dim=32,
+            head_dim=64,
             rope_interleave=True,
             rope_parameters=dict(
                 rope_type="yarn",
@@ -132,6 +138,10 @@ ZOO: dict[str, tuple[str, dict]] = {
         ),
     ),
 }
+# DeepSeek-V3 with every layer dense: its multi-latent attention and yarn rope alone. vLLM
+# 0.32's CPU build serves it as HF runs it, while it serves the MoE layers of the full entry
+# off HF and differently from one start to the next (docs/model-mapping.md, "Serving").
+ZOO["deepseek-v3-mla"] = ("DeepseekV3Config", dict(ZOO["deepseek-v3"][1], first_k_dense_replace=2))
 DENSE = ("llama3.1", "llama3.2", "qwen2.5", "qwen3")
 
 

@@ -1,13 +1,30 @@
-"""The dense model-zoo checkpoints vLLM serves in the zoo's serving test, and HF greedy
-references. Serving side only (vLLM, transformers and peft in `.venv-serve`). Not collected
-by pytest.
+"""What the zoo's serving tests share: the prompts, HF greedy references, vLLM's greedy
+tokens, and their comparison up to the first near tie. Serving side only (vLLM, transformers
+and peft in `.venv-serve`). Not collected by pytest.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import httpx
 import torch
+
+VOCAB = 1030  # support.model_zoo.ZOO_VOCAB
+N_TOKENS = 16
+TIE_GAP = 1e-4
+LOGPROB_ATOL = 1e-4
+
+
+def _prompts() -> list[list[int]]:
+    """bos, then seeded ids above the special tokens; the last row (1029) in the first."""
+    g = torch.Generator().manual_seed(34)
+    prompts = [[1, *torch.randint(6, VOCAB, (n,), generator=g).tolist()] for n in (7, 19, 40)]
+    prompts[0][3] = VOCAB - 1
+    return prompts
+
+
+PROMPTS = _prompts()
 
 
 @dataclass(frozen=True)
@@ -50,3 +67,39 @@ def compared_prefix(gaps: list[float], tie_gap: float) -> int:
     """How many leading greedy tokens must agree: up to the first near tie (best and second
     logit closer than `tie_gap`, where fp32 sums in another order may pick the other)."""
     return next((i for i, gap in enumerate(gaps) if gap < tie_gap), len(gaps))
+
+
+def served_greedy(url: str, model: str) -> list[tuple[list[int], list[float]]]:
+    """vLLM's greedy tokens and their log-probabilities for every prompt (one request)."""
+    resp = httpx.post(
+        url + "/v1/completions",
+        json={
+            "model": model,
+            "prompt": PROMPTS,
+            "max_tokens": N_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "logprobs": 1,
+        },
+        timeout=600,
+    )
+    assert resp.status_code == 200, resp.text
+    choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+    return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
+
+
+def assert_same_greedy(served: list, refs: list[Greedy], what: str) -> None:
+    """Same tokens up to the first near tie of each prompt, and on those the same
+    log-probabilities within LOGPROB_ATOL."""
+    compared = 0
+    worst = 0.0
+    for p, ((tokens, logprobs), ref) in enumerate(zip(served, refs, strict=True)):
+        n = compared_prefix(ref.gaps, TIE_GAP)
+        assert tokens[:n] == ref.tokens[:n], f"{what}, prompt {p}: vLLM {tokens} != HF {ref.tokens}"
+        errors = [abs(a - b) for a, b in zip(logprobs[:n], ref.logprobs[:n], strict=True)]
+        worst = max(worst, *errors)
+        assert max(errors) <= LOGPROB_ATOL, f"{what}, prompt {p}: logprob errors {errors}"
+        compared += n
+    print(f"{what}: {compared} tokens equal, logprobs within {worst:.1e}")
+    assert compared >= len(refs) * N_TOKENS * 3 // 4, f"{what}: too many near ties"
