@@ -49,6 +49,9 @@ def install_selected_process(plugin_handover: Callable) -> None:
     from art_vllm_plugin import executor_guard, host_layout
     from art_vllm_plugin.routes import config as routes_config
 
+    # 0.34's direct reload mode has no rollback: a failed full-weight write could not be
+    # undone, so it is refused before anything starts (compat.refuse_direct_reload).
+    compat.refuse_direct_reload()
     # Labels are exact only on tested executors: refused where arguments become a config.
     compat.wrap(P.EXECUTOR_GUARD, executor_guard.refuse_untested_executor)
     # Staged files must reach every worker: engines spanning hosts are refused there too.
@@ -134,7 +137,8 @@ def install_engine_scheduler(core) -> None:
 
 def install_worker() -> None:
     """Workers: slot updates (stage, swap, roll back), the committed-model loader, and on the
-    CPU platform MoE LoRA and (`--art-routes`) route capture in the V1 runner."""
+    CPU platform MoE LoRA and (`--art-routes`, vLLM with a V1 runner) route capture in the V1
+    runner."""
     from art_vllm_plugin.routes import config as routes_config
     from art_vllm_plugin.worker import (
         base_weights,
@@ -157,12 +161,18 @@ def install_worker() -> None:
     compat.wrap(P.WORKER_FORWARD_LABEL, forward_labels.label_forwards)
     compat.wrap(P.WORKER_SAMPLED_LABEL, forward_labels.label_sampled)
     compat.wrap(P.LOAD_COMMITTED_ADAPTER, lora_slot_writer.load_committed_adapter)
-    if routes_config.selected() and compat.is_cpu_platform():
+    # The worker-path capture lives in the CPU V1 runner, which 0.34 no longer has (Model
+    # Runner V2's native capture serves routes there).
+    if routes_config.selected() and compat.is_cpu_platform() and compat.has_v1_runner():
         from art_vllm_plugin.worker import route_capture
 
         compat.wrap(P.RUNNER_LOAD_MODEL, route_capture.bind_on_load)
         compat.wrap(P.RUNNER_EXECUTE_MODEL, route_capture.store_after_forward)
         compat.wrap(P.RUNNER_SAMPLE_TOKENS, route_capture.emit_after_sampling)
+    if compat.is_cpu_platform() and not compat.has_v1_runner():
+        from art_vllm_plugin.worker import punica_cpu_logits
+
+        compat.wrap(P.CPU_PROMPT_LOGPROB_LORA, punica_cpu_logits.rows_by_token)
     if compat.is_cpu_platform():
         from art_vllm_plugin.worker import moe_lora_cpu
 

@@ -7,7 +7,10 @@ For every patch in `art_vllm_plugin.compat.patches` and every name in
 `art_vllm_plugin.compat.names`, it reads vLLM's source with `ast` (a `.whl` is read in place;
 a directory may be site-packages or the `vllm` package itself) and reports whether the name
 exists, following re-exports (`from .x import Y`) and base classes. A wrapped function's
-signature is shown; a name the plugin adds onto a class must still be free. With
+signature is shown; a name the plugin adds onto a class must still be free. A declaration is
+checked only against the vLLM versions it claims (`checked`, e.g. the V1 runner's names up to
+0.33); a vLLM past the supported range is checked against the declarations of the newest
+supported one (what would have to hold for it). With
 `--baseline`, signatures that differ from the baseline tree are flagged (e.g. the installed
 vLLM against a newer wheel). Exit status 1 when anything is missing, taken or changed.
 
@@ -28,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from art_vllm_plugin.compat import names, patches  # noqa: E402 (plain data, no vLLM import)
+from art_vllm_plugin.compat import names, patches, versions  # noqa: E402 (no vLLM import)
 from art_vllm_plugin.compat.declarations import ADD, VllmName, VllmPatch  # noqa: E402
 
 _MAX_HOPS = 12
@@ -282,12 +285,28 @@ def check_name(resolver: Resolver, declared: VllmName) -> Row:
     return Row(declared.kind, name, "ok", detail or found.kind)
 
 
+def declarations_for(version: str) -> tuple[tuple[VllmPatch, ...], tuple[VllmName, ...], str]:
+    """The patches and names that must hold for `version`, and the version they were picked
+    for: `version` itself inside the supported range, else the newest supported one."""
+    try:
+        versions.check_vllm_version(version)
+        target = version
+    except versions.UnsupportedVllmVersion:
+        target = versions.NEWEST_SUPPORTED
+    return (
+        tuple(p for p in patches.ALL if versions.in_range(p.checked, target)),
+        tuple(n for n in names.ALL if versions.in_range(n.checked, target)),
+        target,
+    )
+
+
 def check(location: str | Path, baseline: str | Path | None = None) -> tuple[str, list[Row]]:
-    """(vLLM version of `location`, one row per declaration, patches first)."""
+    """(vLLM version of `location`, one row per declaration that holds for it, patches first)."""
     source = Source(location)
     resolver = Resolver(source)
-    rows = [check_patch(resolver, p) for p in patches.ALL]
-    rows += [check_name(resolver, n) for n in names.ALL]
+    held_patches, held_names, _ = declarations_for(source.version())
+    rows = [check_patch(resolver, p) for p in held_patches]
+    rows += [check_name(resolver, n) for n in held_names]
     if baseline is not None:
         _, before = check(baseline)
         by_name = {(r.what, r.name): r for r in before}
@@ -307,7 +326,13 @@ def check(location: str | Path, baseline: str | Path | None = None) -> tuple[str
 
 def _render(version: str, rows: list[Row], markdown: bool) -> str:
     bad = [r for r in rows if r.status != "ok"]
-    header = f"vLLM {version}: {len(rows)} declarations, {len(bad)} not ok"
+    held_patches, held_names, target = declarations_for(version)
+    other = len(patches.ALL) + len(names.ALL) - len(held_patches) - len(held_names)
+    as_of = "" if target == version else f" (as {target}, the newest supported)"
+    header = (
+        f"vLLM {version}{as_of}: {len(rows)} declarations, {len(bad)} not ok "
+        f"({other} declared for other vLLM versions, not checked)"
+    )
     if markdown:
         lines = [header, "", "| what | name | status | detail |", "| --- | --- | --- | --- |"]
         lines += [

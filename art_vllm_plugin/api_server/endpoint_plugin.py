@@ -57,5 +57,5 @@ class ArtEndpointPlugin:
             cpu_layout_cpus=tuple(layout) if layout is not None else None,
             refused_slots=tuple(sorted(art.slots.refused.items())),
             routes_capture=route_completions.capture_mode(config),
-            model_runner="v2" if config.use_v2_model_runner else "v1",
+            model_runner=compat.model_runner_name(config),
         )

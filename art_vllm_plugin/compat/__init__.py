@@ -42,7 +42,7 @@ from art_vllm_plugin.compat.api_server import (
     stat_logger_base,
     weight_version_spans_so_far,
 )
-from art_vllm_plugin.compat.declarations import CHECKED_032, VllmName, VllmPatch
+from art_vllm_plugin.compat.declarations import CHECKED_032_034, VllmName, VllmPatch
 from art_vllm_plugin.compat.engine_core import (
     WAITING_QUEUES,
     engine_batch_queue_size,
@@ -60,8 +60,9 @@ from art_vllm_plugin.compat.engine_core import (
     waiting_requests,
     worker_pids,
 )
-from art_vllm_plugin.compat.inplace_write import reload_weights_in_place
+from art_vllm_plugin.compat.inplace_write import refuse_direct_reload, reload_weights_in_place
 from art_vllm_plugin.compat.patching import (
+    NotInThisVllm,
     UndeclaredPatch,
     VllmNameTaken,
     add,
@@ -78,6 +79,7 @@ from art_vllm_plugin.compat.platform import (
     current_vllm_config_or_none,
     is_cpu_platform,
     lora_request,
+    model_runner_name,
     num_experts,
     routes_use_worker_path,
     set_thread_device,
@@ -108,6 +110,7 @@ from art_vllm_plugin.compat.versions import (
     SUPPORTED_VLLM,
     UnsupportedVllmVersion,
     check_vllm_version,
+    has_v1_runner,
     require_supported_vllm,
     vllm_version,
 )
@@ -146,10 +149,11 @@ from art_vllm_plugin.compat.worker import (
 )
 
 __all__ = [
-    "CHECKED_032",
+    "CHECKED_032_034",
     "SUPPORTED_RANGE_TEXT",
     "SUPPORTED_VLLM",
     "WAITING_QUEUES",
+    "NotInThisVllm",
     "UndeclaredPatch",
     "UnsupportedVllmVersion",
     "VllmName",
@@ -190,6 +194,7 @@ __all__ = [
     "finalize_layerwise_reload",
     "freeze_running_requests",
     "gather_across",
+    "has_v1_runner",
     "initialize_layerwise_reload",
     "is_applied",
     "is_async_runner_output",
@@ -203,6 +208,7 @@ __all__ = [
     "lora_request",
     "lora_slot_index",
     "max_lora_rank",
+    "model_runner_name",
     "module_lora_weights",
     "moe_layer_ids",
     "names",
@@ -214,6 +220,7 @@ __all__ = [
     "patches",
     "pin_lora_in_cpu_cache",
     "plugin_groups",
+    "refuse_direct_reload",
     "register_weight_transfer_engine",
     "registered_adapter",
     "rehash_request_blocks",

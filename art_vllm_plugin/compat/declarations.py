@@ -2,17 +2,30 @@
 
 Every vLLM method the plugin wraps or adds (`VllmPatch`) and every vLLM name it reads, calls,
 imports or subclasses (`VllmName`) is declared once, in `compat/patches.py` and
-`compat/names.py`, with the vLLM version range it was checked against. The records import
-nothing from vLLM, so `scripts/check_vllm_compat.py` can read them and check another vLLM
-(an unpacked wheel) statically, without installing or importing it.
+`compat/names.py`, with the vLLM versions it holds for (`checked`: a specifier, read against
+each of those versions' sources). The records import nothing from vLLM, so
+`scripts/check_vllm_compat.py` can read them and check another vLLM (an unpacked wheel)
+statically, without installing or importing it; it checks a declaration only against the
+versions it claims.
+
+Why per-version declarations: a name that moved between supported vLLMs is declared twice,
+once per range, and the accessor picks the one that `compat.versions.applies`; a name that
+went away (the V1 model runner in 0.34) is declared for the versions that have it, and
+loading or patching it on another vLLM is refused by name (`compat.patching`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: The range every declaration below was read against (the source of vLLM 0.32).
-CHECKED_032 = ">=0.32,<0.33"
+#: Every supported vLLM: the default (read against the sources of 0.32.0, 0.33.0 and 0.34.0).
+CHECKED_032_034 = ">=0.32,<0.35"
+#: vLLMs that still have the V1 model runner (0.34 has Model Runner V2 only).
+V1_RUNNER = ">=0.32,<0.34"
+#: Before 0.34: the reload calls 0.34 wraps in `start_reload` / `finish_reload`.
+BEFORE_034 = ">=0.32,<0.34"
+#: 0.34 and later.
+FROM_034 = ">=0.34,<0.35"
 
 WRAP = "wrap"  # the plugin replaces the function with a wrapper that calls the original
 ADD = "add"  # the plugin adds a new name onto a vLLM class (the name must be free)
@@ -35,7 +48,7 @@ class VllmPatch:
     by: str
     why: str
     kind: str = WRAP
-    checked: str = CHECKED_032
+    checked: str = CHECKED_032_034
     per_instance: bool = False
     only_if_imported: bool = False
 
@@ -66,7 +79,7 @@ class VllmName:
     qualname: str
     kind: str
     why: str
-    checked: str = CHECKED_032
+    checked: str = CHECKED_032_034
 
     @property
     def key(self) -> str:

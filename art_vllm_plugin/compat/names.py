@@ -8,11 +8,18 @@ read through documented objects (`vllm_config.lora_config.max_loras`, ...) are n
 
 from __future__ import annotations
 
-from art_vllm_plugin.compat.declarations import VllmName, collect
+from art_vllm_plugin.compat.declarations import (
+    BEFORE_034,
+    FROM_034,
+    V1_RUNNER,
+    VllmName,
+    collect,
+)
 
 _ENGINE = "vllm.v1.engine.core"
 _CLIENT = "vllm.v1.engine.core_client"
 _LORA_MODELS = "vllm.lora.model_manager"
+#: The V1 model runner and its batch; gone in 0.34 (Model Runner V2 only): V1_RUNNER.
 _GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
 _BATCH = "vllm.v1.worker.gpu_input_batch"
 
@@ -248,20 +255,38 @@ LORA_MODEL_LORAS = VllmName(
     "vllm.lora.lora_model", "LoRAModel.loras", "attribute", "module names an adapter carries"
 )
 RUNNER_REQUESTS = VllmName(
-    _GPU_RUNNER, "GPUModelRunner.requests", "attribute", "each request's KV block ids"
+    _GPU_RUNNER,
+    "GPUModelRunner.requests",
+    "attribute",
+    "each request's KV block ids",
+    checked=V1_RUNNER,
 )
 RUNNER_INPUT_BATCH = VllmName(
-    _GPU_RUNNER, "GPUModelRunner.input_batch", "attribute", "the batch's request order"
+    _GPU_RUNNER,
+    "GPUModelRunner.input_batch",
+    "attribute",
+    "the batch's request order",
+    checked=V1_RUNNER,
 )
 RUNNER_KV_CACHE_CONFIG = VllmName(
-    _GPU_RUNNER, "GPUModelRunner.kv_cache_config", "attribute", "KV blocks for the route store"
+    _GPU_RUNNER,
+    "GPUModelRunner.kv_cache_config",
+    "attribute",
+    "KV blocks for the route store",
+    checked=V1_RUNNER,
 )
-BATCH_REQ_IDS = VllmName(_BATCH, "InputBatch.req_ids", "attribute", "request order in a step")
+BATCH_REQ_IDS = VllmName(
+    _BATCH, "InputBatch.req_ids", "attribute", "request order in a step", checked=V1_RUNNER
+)
 BATCH_COMPUTED = VllmName(
-    _BATCH, "InputBatch.num_computed_tokens_cpu", "attribute", "where each request starts"
+    _BATCH,
+    "InputBatch.num_computed_tokens_cpu",
+    "attribute",
+    "where each request starts",
+    checked=V1_RUNNER,
 )
 REQUEST_BLOCK_IDS = VllmName(
-    _BATCH, "CachedRequestState.block_ids", "attribute", "a request's KV blocks"
+    _BATCH, "CachedRequestState.block_ids", "attribute", "a request's KV blocks", checked=V1_RUNNER
 )
 AUX_OUTPUT_METADATA = VllmName(
     "vllm.v1.core.sched.output",
@@ -276,7 +301,11 @@ AUX_OUTPUT = VllmName(
     "the route rows a step emits",
 )
 USE_V2_MODEL_RUNNER = VllmName(
-    "vllm.config.vllm", "VllmConfig.use_v2_model_runner", "attribute", "native or worker capture"
+    "vllm.config.vllm",
+    "VllmConfig.use_v2_model_runner",
+    "attribute",
+    "native or worker capture (0.34 has no choice: Model Runner V2 only)",
+    checked=V1_RUNNER,
 )
 
 # --- engine figures for /art/metrics: a step's stats, the push channel (compat/figures.py) ---
@@ -476,12 +505,58 @@ INITIALIZE_LAYERWISE_RELOAD = VllmName(
     "initialize_layerwise_reload",
     "function",
     "a base update writes in place as reload_weights does, without its reset_lora_state()",
+    checked=BEFORE_034,
 )
 FINALIZE_LAYERWISE_RELOAD = VllmName(
     "vllm.model_executor.model_loader.reload.layerwise",
     "finalize_layerwise_reload",
     "function",
     "re-runs each layer's process_weights_after_loading (CPU GEMM packing, quantization)",
+    checked=BEFORE_034,
+)
+# 0.34: a reload begins and ends through these (`reload/lifecycle.py`), which pick the mode
+# VLLM_RELOAD_MODE selects and keep `weight_update_active()` (read by models' load_weights).
+START_RELOAD = VllmName(
+    "vllm.model_executor.model_loader.reload",
+    "start_reload",
+    "function",
+    "a base update begins its in-place write as vLLM's reload_weights does (0.34)",
+    checked=FROM_034,
+)
+FINISH_RELOAD = VllmName(
+    "vllm.model_executor.model_loader.reload",
+    "finish_reload",
+    "function",
+    "re-runs each layer's weight processing and ends the update (0.34: takes the device)",
+    checked=FROM_034,
+)
+RELOAD_MODE = VllmName(
+    "vllm.envs",
+    "VLLM_RELOAD_MODE",
+    "constant",
+    "the direct mode has no rollback, so the plugin refuses it at start (0.34)",
+    checked=FROM_034,
+)
+KV_CACHE_LENT_FOR_WEIGHT_UPDATE = VllmName(
+    "vllm.v1.worker.extensible_kv_cache",
+    "kv_cache_lent_for_weight_update",
+    "function",
+    "an in-place write's layer rebuild runs with the KV cache's memory cap lifted (0.34)",
+    checked=FROM_034,
+)
+RUNNER_EXTENSIBLE_KV_CACHE = VllmName(
+    "vllm.v1.worker.gpu.model_runner",
+    "GPUModelRunner.extensible_kv_cache",
+    "attribute",
+    "the KV cache that caps torch's memory (None for a standard one)",
+    checked=FROM_034,
+)
+WORKER_KV_CACHE_RECLAIMABLE = VllmName(
+    "vllm.v1.worker.gpu_worker",
+    "Worker._kv_cache_reclaimable",
+    "attribute",
+    "whether the KV cache's memory may be lent to a weight write (nothing in it to keep)",
+    checked=FROM_034,
 )
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _RELOAD_INFO = "vllm.model_executor.model_loader.reload.types"

@@ -8,11 +8,19 @@ in which order each is applied: `art_vllm_plugin/install.py`, one function per p
 
 from __future__ import annotations
 
-from art_vllm_plugin.compat.declarations import ADD, VllmPatch, adds, collect
+from art_vllm_plugin.compat.declarations import (
+    ADD,
+    FROM_034,
+    V1_RUNNER,
+    VllmPatch,
+    adds,
+    collect,
+)
 
 _ENGINE = "vllm.v1.engine.core"
 _COMPLETION = "vllm.entrypoints.openai.completion.serving"
 _CHAT = "vllm.entrypoints.openai.chat_completion.serving"
+#: The CPU V1 model runner; gone in 0.34 (Model Runner V2 only), so its patches are V1_RUNNER.
 _RUNNER = "vllm.v1.worker.cpu_model_runner"
 
 # --- every vLLM process, selected or not ------------------------------------------------
@@ -204,18 +212,28 @@ RUNNER_LOAD_MODEL = VllmPatch(
     "CPUModelRunner.load_model",
     by="worker.route_capture.bind_on_load",
     why="binds the MoE route capture to the model's routers (--art-routes, CPU V1 runner)",
+    checked=V1_RUNNER,
 )
 RUNNER_EXECUTE_MODEL = VllmPatch(
     _RUNNER,
     "CPUModelRunner.execute_model",
     by="worker.route_capture.store_after_forward",
     why="stores each forward's route rows by KV slot",
+    checked=V1_RUNNER,
 )
 RUNNER_SAMPLE_TOKENS = VllmPatch(
     _RUNNER,
     "CPUModelRunner.sample_tokens",
     by="worker.route_capture.emit_after_sampling",
     why="attaches the rows to emit to the ModelRunnerOutput",
+    checked=V1_RUNNER,
+)
+CPU_PROMPT_LOGPROB_LORA = VllmPatch(
+    "vllm.lora.punica_wrapper.punica_cpu",
+    "PunicaWrapperCPU.add_lora_logits",
+    by="worker.punica_cpu_logits.rows_by_token",
+    why="0.34 CPU: prompt-logprob logits rows take their tokens' adapter (MRV2's warm-up died)",
+    checked=FROM_034,
 )
 MOE_CONFIG_POST_INIT = VllmPatch(
     "vllm.model_executor.layers.fused_moe.config",

@@ -38,8 +38,28 @@ class VllmNameTaken(RuntimeError):
     """vLLM now defines a name the plugin would add: adding it would shadow vLLM's."""
 
 
+class NotInThisVllm(RuntimeError):
+    """A declaration used on a vLLM outside the versions it holds for (`checked`): e.g. a V1
+    model runner name on 0.34. The caller must have gated the path by version first."""
+
+
+def _require_version(declared: VllmName | VllmPatch) -> None:
+    """Refuse a declaration that does not hold for the installed, supported vLLM. A vLLM
+    outside the supported range is the version gate's to refuse (`plugin_loader.activate`),
+    and only where the plugin is selected: `--plugin` itself is added in every process."""
+    from art_vllm_plugin.compat.versions import applies, is_supported, vllm_version
+
+    if is_supported() and not applies(declared.checked):
+        raise NotInThisVllm(
+            f"{declared.key} holds for vLLM {declared.checked}, not the installed "
+            f"{vllm_version()}: the art plugin path that needs it is not available on this vLLM"
+        )
+
+
 def load(name: VllmName) -> Any:
-    """The class, function or constant a declaration names (imports its module)."""
+    """The class, function or constant a declaration names (imports its module); refused on a
+    vLLM the declaration does not hold for."""
+    _require_version(name)
     obj: Any = importlib.import_module(name.module)
     for part in name.qualname.split("."):
         obj = getattr(obj, part)
@@ -51,6 +71,7 @@ def _require(patch: VllmPatch, kind: str) -> None:
         raise UndeclaredPatch(f"{patch.key} is not declared in art_vllm_plugin.compat.patches")
     if patch.kind != kind:
         raise UndeclaredPatch(f"{patch.key} is declared as {patch.kind!r}, applied as {kind!r}")
+    _require_version(patch)
 
 
 def _owner(patch: VllmPatch) -> Any | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from art_vllm_plugin.compat import names
 from art_vllm_plugin.compat.patching import load
+from art_vllm_plugin.compat.versions import has_v1_runner
 
 
 def is_cpu_platform() -> bool:
@@ -19,8 +20,17 @@ def set_thread_device(device) -> None:
 
 def routes_use_worker_path(vllm_config) -> bool:
     """True when the V1 runner of the CPU platform serves: the plugin's worker capture fills
-    the native routed-experts output there (MRV2, if ever used on CPU, has its own)."""
+    the native routed-experts output there (MRV2 has its own). 0.34 has MRV2 only."""
+    if not has_v1_runner():
+        return False
     return is_cpu_platform() and not vllm_config.use_v2_model_runner
+
+
+def model_runner_name(vllm_config) -> str:
+    """Which model runner serves: "v2" (Model Runner V2, the only one from 0.34) or "v1"."""
+    if not has_v1_runner():
+        return "v2"
+    return "v2" if vllm_config.use_v2_model_runner else "v1"
 
 
 def current_vllm_config_or_none():

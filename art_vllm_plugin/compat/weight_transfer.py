@@ -34,8 +34,14 @@ def engine_init_weight_transfer(core, init_info: dict) -> None:
 
 
 def initialize_layerwise_reload(model) -> None:
-    load(names.INITIALIZE_LAYERWISE_RELOAD)(model)
+    """Begin a reload straight into the model (`start_reload` on 0.34)."""
+    from art_vllm_plugin.compat.inplace_write import start_reload
+
+    start_reload(model)
 
 
-def finalize_layerwise_reload(model, model_config) -> None:
-    load(names.FINALIZE_LAYERWISE_RELOAD)(model, model_config)
+def finalize_layerwise_reload(model, model_config, device=None) -> None:
+    """End it (`finish_reload` on 0.34, which also takes the model's device)."""
+    from art_vllm_plugin.compat.inplace_write import finish_reload
+
+    finish_reload(model, model_config, device)

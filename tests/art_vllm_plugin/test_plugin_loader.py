@@ -91,7 +91,7 @@ def test_unsupported_vllm_is_refused_with_the_supported_range():
     assert proc.returncode != 0
     assert "UnsupportedVllmVersion" in proc.stderr
     assert "vLLM 0.31.9 is not supported" in proc.stderr
-    assert "vllm >=0.32.0,<0.33" in proc.stderr
+    assert "vllm >=0.32.0,<0.35" in proc.stderr
 
 
 def test_unsupported_vllm_is_ignored_when_not_selected():

@@ -9,6 +9,11 @@ runs the servers on the V1 runner; `make test-serve-v1` runs the named V1 subset
 (`SERVE_V1_SUBSET` in the Makefile): what CPU users get, and what vLLM falls
 back to where MRV2 lacks a feature.
 
+vLLM 0.34 has Model Runner V2 only, and its environment (`.venv-serve34`,
+`scripts/setup_serve34_env.sh`) carries Triton with the interpreter patches itself: there the
+servers need only `TRITON_INTERPRET=1`, the unpatched test copy in `.cache/triton` stays off
+their path, and `ART_TEST_MODEL_RUNNER=v1` is refused (nothing to fall back to).
+
 The variables go into this pytest process's environment (and the Triton paths onto its
 `sys.path`) at start, so every server a test starts inherits them (`serve_process.start`, the
 example loop's server, restarts), and an in-process EngineCore runs the same runner. Only the
@@ -17,6 +22,7 @@ serve side sets them (vLLM importable); the train suite never sees them.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -31,11 +37,24 @@ SHIM_DIR = REPO / "tests" / "support" / "triton_cpu"
 RUNNERS = ("v2", "v1")
 
 
+def vllm_has_v1_runner() -> bool:
+    """Whether the installed vLLM still has the V1 runner (before 0.34), read from its
+    metadata (no vLLM import)."""
+    from packaging.version import Version
+
+    return Version(importlib.metadata.version("vllm")).release[:2] < (0, 34)
+
+
 def selected() -> str:
     """The runner this run's servers use: `v2` unless ART_TEST_MODEL_RUNNER says `v1`."""
     runner = os.environ.get(RUNNER_ENV, "v2").strip().lower() or "v2"
     if runner not in RUNNERS:
         raise pytest.UsageError(f"{RUNNER_ENV}={runner!r}: expected one of {', '.join(RUNNERS)}")
+    if runner == "v1" and _serving_side() and not vllm_has_v1_runner():
+        raise pytest.UsageError(
+            f"{RUNNER_ENV}=v1: vLLM {importlib.metadata.version('vllm')} has Model Runner V2 "
+            "only; run the V1 subset with a vLLM before 0.34 (.venv-serve)"
+        )
     return runner
 
 
@@ -43,6 +62,8 @@ def server_env(runner: str) -> dict[str, str]:
     """The environment a `vllm serve` needs to run on `runner`."""
     if runner == "v1":
         return {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    if _serving_side() and not vllm_has_v1_runner():
+        return {"TRITON_INTERPRET": "1"}
     return {
         "VLLM_USE_V2_MODEL_RUNNER": "1",
         "TRITON_INTERPRET": "1",
@@ -58,7 +79,7 @@ def pytest_configure(config):
     if not _serving_side():
         return
     runner = selected()
-    if runner == "v2" and not any(TRITON_DIR.glob(".ready-*")):
+    if runner == "v2" and vllm_has_v1_runner() and not any(TRITON_DIR.glob(".ready-*")):
         raise pytest.UsageError(
             f"Model Runner V2 needs Triton unpacked in {TRITON_DIR}: run "
             f"`bash scripts/setup_triton_interpreter.sh` (make test-serve does), or set "

@@ -72,8 +72,9 @@ def _rows(location, baseline=None) -> dict[str, list]:
 
 def test_every_declaration_exists_in_the_installed_vllm(installed):
     result = _rows(installed.parent)
-    assert result["version"].startswith("0.32."), result["version"]
-    assert len(result["rows"]) == len(patches.ALL) + len(names.ALL)
+    held_patches, held_names, target = checker.declarations_for(result["version"])
+    assert target == result["version"], "the installed vLLM is outside the supported range"
+    assert len(result["rows"]) == len(held_patches) + len(held_names)
     bad = [r for r in result["rows"] if r.status != "ok"]
     assert not bad, bad
     # Wrapped functions are shown with their signature, added names as free.
@@ -81,6 +82,21 @@ def test_every_declaration_exists_in_the_installed_vllm(installed):
     assert salt.detail.startswith("(self, request"), salt.detail
     added = result["by_name"]["vllm.v1.engine.core:EngineCore.art_slot_state"][0]
     assert (added.what, added.detail) == ("add", "the name is free")
+
+
+def test_declarations_are_checked_against_the_versions_they_claim():
+    """The V1 runner's names are checked up to 0.33 only, 0.34's reload calls from 0.34; a
+    vLLM past the range is checked against what holds for the newest supported one."""
+    v1_name = "VllmConfig.use_v2_model_runner"
+    for version, v1 in (("0.32.0+cpu", True), ("0.33.0", True), ("0.34.0+cpu", False)):
+        held_patches, held_names, target = checker.declarations_for(version)
+        assert target == version
+        assert any(n.qualname == v1_name for n in held_names) is v1
+        assert any(n.qualname == "start_reload" for n in held_names) is not v1
+        assert any(p.qualname.startswith("CPUModelRunner.") for p in held_patches) is v1
+    assert checker.declarations_for("0.35.1")[2] == "0.34.0"
+    total = len(patches.ALL) + len(names.ALL)
+    assert sum(map(len, checker.declarations_for("0.34.0")[:2])) < total
 
 
 def test_a_removed_method_is_reported_missing(tmp_path, installed):

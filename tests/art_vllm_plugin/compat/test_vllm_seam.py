@@ -186,11 +186,16 @@ def test_every_private_vllm_name_compat_touches_is_declared():
     assert not missing, missing
 
 
-def test_every_declaration_was_checked_against_the_supported_range():
+def test_every_declaration_holds_inside_the_supported_range_only():
+    """Each declaration names the supported vLLMs it holds for (all of them, or the versions
+    with the V1 runner, or 0.34 on), and at least one; none reaches past the range."""
     lo, hi = compat.SUPPORTED_VLLM
+    minors = ("0.32.0", "0.33.0", "0.34.0")
     for declared in (*patches.ALL, *names.ALL):
         spec = SpecifierSet(declared.checked)
-        assert lo in spec and hi not in spec and f"{hi}.0" not in spec, declared
+        assert hi not in spec and f"{hi}.0" not in spec and "0.31.9" not in spec, declared
+        assert any(v in spec for v in minors), declared
+    assert lo in SpecifierSet(compat.CHECKED_032_034)
 
 
 def test_an_undeclared_patch_is_refused_before_vllm_is_touched():
