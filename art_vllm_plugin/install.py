@@ -46,7 +46,7 @@ def install_cli(on_select: Callable[[], None]) -> None:
 
 def install_selected_process(plugin_handover: Callable) -> None:
     """Every process where `art` is selected (after the version check)."""
-    from art_vllm_plugin import executor_guard, host_layout
+    from art_vllm_plugin import executor_guard, expert_layout, host_layout
     from art_vllm_plugin.routes import config as routes_config
 
     # 0.34's direct reload mode has no rollback: a failed full-weight write could not be
@@ -56,6 +56,8 @@ def install_selected_process(plugin_handover: Callable) -> None:
     compat.wrap(P.EXECUTOR_GUARD, executor_guard.refuse_untested_executor)
     # Staged files must reach every worker: engines spanning hosts are refused there too.
     compat.wrap(P.HOST_LAYOUT_GUARD, host_layout.refuse_workers_across_hosts)
+    # An MoE model's experts span the DP engines, which commit at their own steps: refused.
+    compat.wrap(P.EXPERT_LAYOUT_GUARD, expert_layout.refuse_experts_across_engines)
     # The config check runs wherever a VllmConfig is built (API server and EngineCore).
     compat.wrap(P.AUX_OUTPUT_CHECK, routes_config.worker_path_check(compat.routes_use_worker_path))
     install_engine_core()

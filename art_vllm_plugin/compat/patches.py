@@ -341,6 +341,12 @@ HOST_LAYOUT_GUARD = VllmPatch(
     by="host_layout.refuse_workers_across_hosts",
     why="refuses engines whose workers span hosts (they could not see their stage)",
 )
+EXPERT_LAYOUT_GUARD = VllmPatch(
+    "vllm.engine.arg_utils",
+    "EngineArgs.create_engine_config",
+    by="expert_layout.refuse_experts_across_engines",
+    why="refuses MoE models over several DP engines (experts of two versions under one label)",
+)
 
 # -- route rows: the MoE layers only, on every runner (engine_core/route_rows.py) ----------
 ROUTE_LAYERS_BUSY_LOOP = VllmPatch(
