@@ -1,4 +1,4 @@
-"""Load a Hugging Face DeepSeek-V3 checkpoint into `hf_deepseek.build_deepseek_gpt`'s model.
+"""Load a Hugging Face DeepSeek-V3 checkpoint into `deepseek_gpt.build_deepseek_gpt`'s model.
 
 Why: the trainer must start from the served weights exactly. The renames (HF -> Megatron):
 - attention (MLA): `q_a_proj` -> `linear_q_down_proj`, `q_a_layernorm` -> `q_layernorm`,

@@ -4,7 +4,7 @@ Why: Megatron's local `DotProductAttention` has no `k_channels` / `v_channels`, 
 q/k head (nope + rope) differs from its v head, so a local-spec MLA model does not build
 ("unexpected keyword argument 'k_channels'"; fix 2 in docs/model-mapping.md).
 `TEDotProductAttention` has them; this takes TE's constructor arguments and computes
-softmax(q k^T * scale + mask) v with torch, in fp32. `hf_deepseek.build_deepseek_gpt` sets it
+softmax(q k^T * scale + mask) v with torch, in fp32. `deepseek_gpt.build_deepseek_gpt` sets it
 as `core_attention` in every layer spec (and `bench/bridge_eval/run_bridge.py --fix`).
 Packed sequences and attention biases are refused (`NotImplementedError`).
 """

@@ -57,7 +57,8 @@ def _build(hf_dir: str):
         model = build_moe_gpt(shape)
         load_hf_moe_weights(model, hf_dir, shape)
     elif kind == "deepseek_v3":
-        from art_megatron_ext.lora.hf_deepseek import DeepseekShape, build_deepseek_gpt
+        from art_megatron_ext.lora.deepseek_gpt import build_deepseek_gpt
+        from art_megatron_ext.lora.hf_deepseek import DeepseekShape
         from art_megatron_ext.lora.hf_deepseek_weights import load_hf_deepseek_weights
 
         shape = DeepseekShape.from_hf_config(hf_dir)

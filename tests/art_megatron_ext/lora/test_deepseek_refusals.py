@@ -85,7 +85,8 @@ def test_yarn_inverse_frequencies_are_hf_own(tmp_path):
     assert factor == 1.0
     torch.testing.assert_close(shape.inv_freq(), want, rtol=0, atol=0)
     # the interpolated band is reached: some frequencies scaled, some not
-    plain = 1 / (1e4 ** (torch.arange(0, 8, 2).float() / 8))
+    dim = shape.qk_rope_head_dim
+    plain = 1 / (1e4 ** (torch.arange(0, dim, 2).float() / dim))
     assert (shape.inv_freq() != plain).any() and (shape.inv_freq() == plain).any()
 
 
@@ -97,7 +98,7 @@ def test_mtp_layers_are_left_out_and_any_other_extra_tensor_is_refused(megatron_
     from support.megatron_cpu import cpu_shim
     from support.model_zoo import checkpoint
 
-    from art_megatron_ext.lora.hf_deepseek import build_deepseek_gpt
+    from art_megatron_ext.lora.deepseek_gpt import build_deepseek_gpt
     from art_megatron_ext.lora.hf_deepseek_weights import load_hf_deepseek_weights
     from art_megatron_ext.lora.hf_weights import UnmappedWeights
 

@@ -124,7 +124,8 @@ def _deepseek(hf_dir: str, rank: int, world: int) -> dict:
     over expert TP = TP: logits, stream, one step, stream again and map it back."""
     from megatron.core import parallel_state as ps
 
-    from art_megatron_ext.lora.hf_deepseek import DeepseekShape, build_deepseek_gpt
+    from art_megatron_ext.lora.deepseek_gpt import build_deepseek_gpt
+    from art_megatron_ext.lora.hf_deepseek import DeepseekShape
     from art_megatron_ext.lora.hf_deepseek_weights import (
         load_hf_deepseek_weights,
         megatron_deepseek_state_from_hf,
