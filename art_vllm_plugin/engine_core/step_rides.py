@@ -141,14 +141,14 @@ def engine_results(rides: list[Ride], per_worker: list[list]) -> list:
             out.append(results[0])
             continue
         ok = [rank for rank, r in enumerate(results) if r["ok"]]
-        errors = list(dict.fromkeys(e for r in results for e in r["errors"]))
         swap_ms = max(r["swap_ms"] for r in results)
         if len(ok) == len(results):
             out.append({**results[0], "swap_ms": swap_ms})
             continue
+        errors = list(dict.fromkeys(e for r in results for e in r.get("errors", ())))
         if ok:
             errors.append(f"the workers disagree: workers {ok} report the commit done")
-        restored = not ok and all(r["restored"] for r in results)
+        restored = not ok and all(r.get("restored") for r in results)
         out.append({"ok": False, "errors": errors, "restored": restored, "swap_ms": swap_ms})
     return out
 
