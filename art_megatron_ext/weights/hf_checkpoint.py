@@ -66,7 +66,7 @@ def write_hf_checkpoint(
 ) -> StreamReceipt:
     """Stream `model`'s weights (`stream_hf_weights`: collective, call it on every rank) into
     the checkpoint directory `out_dir`, written by the rank that sends (`send`, default as
-    there). Returns the stream's receipt; its digest is the directory's
+    there). Returns the stream's receipt; on the writing rank its digest is the directory's
     (`art_protocol.weights_digest.digest_checkpoint`). The writing rank raises
     `FileExistsError` when `out_dir` exists (after the stream: every rank finishes it)."""
     out = Path(out_dir)

@@ -14,7 +14,8 @@ collectives); by default only global rank 0 calls the sink (one sender, whatever
 replicas: each replica runs the same gathers in its own groups). The receipt carries the digest of
 exactly what was handed to the sink (`art_protocol.weights_digest`, over the set of named tensors),
 which the server computes over the files it received (`hf_checkpoint.write_hf_checkpoint` writes
-them).
+them). Only the sender computes it: the other ranks never copy a tensor to the host or hash it
+(their receipt counts the same tensors and bytes, digest None).
 
 MoE (the Qwen3-MoE GPT of `lora.hf_moe_weights.build_moe_gpt`, inverse of
 `megatron_moe_state_from_hf`): a layer with a router streams `mlp.gate.weight` (the router),
@@ -27,7 +28,8 @@ part; by default only global rank 0 calls the sink.
 
 The model may be wrapped (Megatron's `DistributedDataParallel`, `Float16Module` of a bf16
 trainer): names are looked up on the model inside. Parameters may live on the GPU: the sink
-gets them where they are, and the digest is taken from a host copy made here. A padded
+gets them where they are, and the sender's digest is taken from a pinned host copy made here
+(one buffer, reused). A padded
 vocabulary (`build_gpt(make_vocab_size_divisible_by=...)`) is trimmed to the checkpoint's rows;
 tied embeddings send `model.embed_tokens.weight` once and no `lm_head.weight`, as the served
 checkpoint has them.
@@ -60,12 +62,36 @@ from art_protocol.weights_digest import WeightsDigest
 
 @dataclass(frozen=True)
 class StreamReceipt:
-    """What one stream sent: tensors, bytes, layers and their digest."""
+    """What one stream sent: tensors, bytes, layers and their digest. The digest is computed
+    once, by the rank that sends; on the other ranks it is None (they never copy a tensor to
+    the host or hash it)."""
 
     tensors: int
     bytes: int
     layers: int
-    digest: str
+    digest: str | None
+
+
+class _HostStage:
+    """The sender's host copy of a device tensor for its digest: one pinned buffer, grown to
+    the largest tensor and reused, filled by an asynchronous copy (a pageable `.cpu()` of
+    every parameter measured 1.44 GB/s on an H200, a pinned copy 54 GB/s)."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def bytes_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`'s bytes on the host (uint8, 1-D), valid until the next call."""
+        flat = tensor.reshape(-1).view(torch.uint8)
+        if tensor.device.type == "cpu":
+            return flat
+        n = flat.numel()
+        if self._buffer is None or self._buffer.numel() < n:
+            self._buffer = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        host = self._buffer[:n]
+        host.copy_(flat, non_blocking=True)
+        torch.cuda.current_stream(tensor.device).synchronize()
+        return host
 
 
 def _group(kind: str) -> tuple:
@@ -301,8 +327,8 @@ def stream_hf_weights(
     Collective over the tensor-parallel group and, for an MoE model, the expert-parallel group (call
     it on every TP and EP rank). `send` says whether this rank calls the sink (default: global rank
     0 only, or the one process when torch.distributed is not set up). `shape` is the model's
-    `GptShape` or `MoeShape`. Returns the receipt (digest, tensors, bytes) of what was sent, the
-    same on every rank.
+    `GptShape`, `MoeShape` or `DeepseekShape`. Returns the receipt of what was sent: tensors, bytes
+    and layers on every rank, the digest on the sending rank only (None elsewhere).
     """
     from art_megatron_ext.compat import unwrap_model
 
@@ -320,15 +346,18 @@ def stream_hf_weights(
     _check_scope(params)
     ep, etp = _group("expert_model")[:2], _group("expert_tensor")[:2]
     send = _global_rank() == 0 if send is None else send
-    digest = WeightsDigest()
+    digest = WeightsDigest()  # counts on every rank; hashes on the sender only
+    stage = _HostStage()
     vocab = shape.vocab_size
 
     def emit(name: str, tensor: torch.Tensor) -> None:
         tensor = tensor.contiguous()
-        host = tensor if tensor.device.type == "cpu" else tensor.cpu()
-        digest.update(name, str(host.dtype), tuple(host.shape), host.view(torch.uint8).numpy())
-        if send:
-            sink(name, tensor)
+        if not send:
+            digest.add(name, str(tensor.dtype), tuple(tensor.shape), b"", _nbytes(tensor))
+            return
+        data = stage.bytes_of(tensor).numpy()
+        digest.update(name, str(tensor.dtype), tuple(tensor.shape), data)
+        sink(name, tensor)
 
     emit(
         "model.embed_tokens.weight",
@@ -345,5 +374,12 @@ def stream_hf_weights(
             _vocab_rows(_gather(params["output_layer.weight"], 0, group, size), vocab),
         )
     return StreamReceipt(
-        tensors=digest.tensors, bytes=digest.bytes, layers=layers, digest=digest.hexdigest()
+        tensors=digest.tensors,
+        bytes=digest.bytes,
+        layers=layers,
+        digest=digest.hexdigest() if send else None,
     )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

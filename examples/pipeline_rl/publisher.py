@@ -36,7 +36,7 @@ class FullReady:
 
     path: Path
     version: int
-    digest: str
+    digest: str | None  # the writing rank's; None on the others (they never hash)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class StreamReady:
 
     tensors: dict
     version: int
-    digest: str
+    digest: str | None  # the writing rank's; None on the others (they never hash)
 
 
 #: Workers of the example's server (one engine, one worker): every one joins the group.

@@ -20,6 +20,8 @@ Observed here: logits vs HF within about 2e-6 (fp32 on both sides).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from support.dist import run_ranks
@@ -221,7 +223,9 @@ def test_stream_gives_back_the_checkpoint(ranks, zoo, name):
             assert torch.equal(sent[key], tensor.float()), key
         for other in results[1:]:  # only global rank 0 sends; the receipt is everyone's
             assert other[case]["loaded"][0] == []
-            assert other[case]["loaded"][1] == results[0][case]["loaded"][1]
+            assert other[case]["loaded"][1] == dataclasses.replace(
+                results[0][case]["loaded"][1], digest=None
+            )
 
 
 @pytest.mark.parametrize("name", [*DENSE, "deepseek-v3"])

@@ -64,7 +64,8 @@ def test_a_wrapped_bf16_model_streams_its_own_names(results):
     assert names and names == [n for n, _ in first["plain"][0]]
     for (_, got), (_, want) in zip(first["sent"][0], first["plain"][0], strict=True):
         assert (got == want).all()
-    assert first["sent"][1] == first["plain"][1] == second["sent"][1]
+    assert first["sent"][1] == first["plain"][1]
+    assert second["sent"][1] == dataclasses.replace(first["sent"][1], digest=None)  # no hash
 
 
 def test_only_global_rank_zero_sends_and_writes(results):
@@ -72,6 +73,6 @@ def test_only_global_rank_zero_sends_and_writes(results):
 
     out, (first, second) = results
     assert second["sent"][0] == []  # data-parallel rank 1 is TP rank 0 too, and sent nothing
-    assert first["written"] == second["written"]
+    assert second["written"] == dataclasses.replace(first["written"], digest=None)
     assert digest_checkpoint(out).hexdigest() == first["written"].digest
     assert [p.name for p in out.parent.iterdir()] == ["v1"]  # no second writer's leftovers
