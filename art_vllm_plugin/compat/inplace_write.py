@@ -50,7 +50,8 @@ def reload_weights_in_place(worker, weights) -> set[str] | None:
     runner = worker_model_runner(worker)
     model = runner.get_model()
     model_config = runner.vllm_config.model_config
-    device = runner.device
+    # 0.34's finish_reload takes the model's device (its direct mode needs it).
+    device = runner.device if applies(names.FINISH_RELOAD.checked) else None
     with (
         _kv_cache_lent(worker, runner, model),
         load(names.SET_CURRENT_VLLM_CONFIG)(runner.vllm_config),

@@ -100,7 +100,9 @@ def worker():
     model.load_weights(_checkpoint(1.0).items())
     layerwise.record_metadata_for_reloading(model)
     config = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
-    runner = SimpleNamespace(vllm_config=config, get_model=lambda: model)
+    runner = SimpleNamespace(
+        vllm_config=config, get_model=lambda: model, device=torch.device("cpu")
+    )
     return SimpleNamespace(model_runner=runner, model=model)
 
 
