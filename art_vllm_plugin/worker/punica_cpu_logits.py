@@ -14,6 +14,11 @@ their adapter indices are the per-token ones (`token_lora_indices`) over the sam
 the slice starts is read from the view's offset. A call whose rows match neither mapping is
 refused with a message, never computed with the wrong adapter.
 
+What this does not lift: a served request asking for prompt logprobs with `--enable-lora` on
+CPU is still refused with 400 (`api_server/request_refusals.py`, as on 0.32, where the same
+`einsum` mismatch takes EngineCore down); `api_server/test_prompt_logprobs.py` passes on 0.34
+with those refusals. What runs through here is MRV2's warm-up, whose requests carry no adapter.
+
 Scope: installed by `install.install_worker` on the CPU platform with vLLM 0.34 (declared
 `checked` for 0.34 only).
 """
