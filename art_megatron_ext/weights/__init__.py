@@ -3,5 +3,13 @@
 from art_megatron_ext.weights.gloo_sender import GlooWeightSender
 from art_megatron_ext.weights.hf_checkpoint import write_hf_checkpoint
 from art_megatron_ext.weights.hf_stream import StreamReceipt, stream_hf_weights
+from art_megatron_ext.weights.kept_version import KeptVersion, keep_version
 
-__all__ = ["GlooWeightSender", "StreamReceipt", "stream_hf_weights", "write_hf_checkpoint"]
+__all__ = [
+    "GlooWeightSender",
+    "KeptVersion",
+    "StreamReceipt",
+    "keep_version",
+    "stream_hf_weights",
+    "write_hf_checkpoint",
+]

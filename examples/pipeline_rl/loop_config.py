@@ -14,6 +14,9 @@ from pathlib import Path
 #: `device` values: "auto" is CUDA when the trainer process sees a GPU, else CPU
 DEVICES = ("auto", "cuda", "cpu")
 LOOPBACK = "127.0.0.1"
+#: `stream_keep` values (`art_megatron_ext.weights.kept_version.KEEP_WHERE`; this module stays
+#: importable without torch)
+STREAM_KEEP = ("device", "pinned_host", "files")
 #: addresses a server's workers cannot connect to (a listener's "any address")
 _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
@@ -79,6 +82,11 @@ class LoopConfig:
     #: (it hosts the group there: `GlooWeightSender.connect(host=)`); run.py's default is
     #: `default_trainer_host()`
     trainer_host: str = LOOPBACK
+    #: `transport="gloo"`: where rank 0 keeps the version while it streams in the background
+    #: (`art_megatron_ext.weights.keep_version`): "device" (beside the parameters: GPU spare
+    #: memory on a GPU, no host copy), "pinned_host" (page-locked host memory) or "files"
+    #: (RUN_DIR/weights/v<N>, read back a shard at a time: nothing kept in memory)
+    stream_keep: str = "device"
 
     def __post_init__(self) -> None:
         if self.update not in ("lora", "full"):
@@ -92,6 +100,8 @@ class LoopConfig:
             raise ValueError(f"transport must be 'files' or 'gloo', got {self.transport!r}")
         if self.transport == "gloo" and self.update != "full":
             raise ValueError("--transport gloo streams full weights: it needs --update full")
+        if self.stream_keep not in STREAM_KEEP:
+            raise ValueError(f"stream_keep must be one of {STREAM_KEEP}, got {self.stream_keep!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.trainer_host.strip() in _WILDCARDS:

@@ -41,12 +41,15 @@ class FullReady:
 
 @dataclasses.dataclass(frozen=True)
 class StreamReady:
-    """A full-weight export in host memory (`--update full --transport gloo`): HF name ->
-    tensor, a copy the next step's training does not touch."""
+    """A full-weight version kept for its stream (`--update full --transport gloo`): a
+    `KeptVersion` where `--stream-keep` says, which the next step's training does not touch."""
 
-    tensors: dict
+    kept: object  # art_megatron_ext.weights.KeptVersion
     version: int
-    digest: str | None  # the writing rank's; None on the others (they never hash)
+
+    @property
+    def digest(self) -> str | None:
+        return self.kept.digest
 
 
 #: Workers of the example's server (one engine, one worker): every one joins the group.
@@ -114,32 +117,28 @@ class Publisher:
                 sender = GlooWeightSender.connect(
                     art, workers=SERVER_WORKERS, host=host, timeout_s=300
                 )
-            plan = [(name, t.dtype, tuple(t.shape)) for name, t in ready.tensors.items()]
-
-            def produce(sink) -> None:
-                for name, tensor in ready.tensors.items():
-                    sink(name, tensor)
-
-            return sender.send(ready.version, plan, produce, digest=ready.digest)
+            plan = ready.kept.plan()
+            try:
+                return sender.send(ready.version, plan, ready.kept.produce, digest=ready.digest)
+            finally:
+                ready.kept.release()
 
         return stream
 
     def _snapshot_full(self, ddp, version: int) -> StreamReady:
-        """Collective as `_export_full`; rank 0 keeps a host copy instead of writing files."""
+        """Collective as `_export_full`; rank 0 keeps the version where `--stream-keep` says
+        (`keep_version`: beside the parameters, in pinned host memory, or as files), never a
+        pageable host copy of the whole model by default."""
         import torch
 
-        from art_megatron_ext.weights import stream_hf_weights
+        from art_megatron_ext.weights import keep_version
 
         ddp.start_param_sync(force_sync=True)
         lead = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-        tensors: dict = {}
-        receipt = stream_hf_weights(
-            ddp.module,
-            self.shape,
-            lambda name, t: tensors.__setitem__(name, t.detach().to("cpu", copy=True)),
-            send=lead,
-        )
-        return StreamReady(tensors, version, receipt.digest)
+        where = self.cfg.stream_keep
+        out = self.cfg.path / "weights" / f"v{version}" if where == "files" else None
+        kept = keep_version(ddp.module, self.shape, where, out_dir=out, send=lead)
+        return StreamReady(kept, version)
 
     def _export_full(self, ddp, version: int) -> FullReady:
         """Collective: every rank finishes the parameter all-gather and streams; rank 0 writes."""
