@@ -3,7 +3,8 @@
 On packed rows shaped like GRPO batches (groups of 8 rollouts behind a shared prompt, packed
 into 2 rows of 8192 tokens; 32 query heads, 8 kv heads, head dim 128, bf16), times forward +
 backward of three paths on the same preallocated inputs:
-  flex:  `flex_tree_attention` with the `BlockMask` of the `TreePlan` (compiled; the GPU path);
+  flex:  `flex_tree_attention` with the `BlockMask` of the `TreePlan` (compiled; the GPU path;
+         full tiles skip the mask function; all rows in one call);
   dense: `scaled_dot_product_attention` with the boolean tree mask `[rows, 1, S, S]` from
          `tree_attention_mask` (k/v repeated to the query heads inside the call);
   tiled: the Python tile loop `tree_attention` (the CPU path and oracle), the same shape but
@@ -101,7 +102,7 @@ def run(dry: bool, verdicts: Path | None, report: Path | None, iters: int) -> in
     ends = ends_cpu.to(device)
     plan = plan_tree_attention(ends_cpu, shape["block"])
     config = TreeAttentionConfig(block=shape["block"], chunk_keys=max(2048, shape["block"]))
-    block_mask = tree_block_mask(ends, plan)
+    block_mask = tree_block_mask(ends, plan, rows_per_call=rows)  # one call: no padding
     dense_mask = tree_attention_mask(ends)[:, None]  # [rows, 1, S, S] bool
     setup_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)

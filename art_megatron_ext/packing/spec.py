@@ -63,8 +63,8 @@ class TreePackedSeqParams(_PackedSeqParams):
             (`PackedBatch.input_pos`); RoPE rotates by it.
         attention: tile sizes and backend of the kernel.
         plan: the block plan, built once here and shared by every layer.
-        block_mask: FlexAttention's `BlockMask` of the plan (the "flex" backend), built by
-            the first layer that needs it and shared by the others.
+        block_mask: FlexAttention's masks of the plan (a `FlexTreeMask`, the "flex"
+            backend), built by the first layer that needs it and shared by the others.
     """
 
     subtree_end: torch.Tensor | None = None
@@ -184,7 +184,12 @@ class TreeCoreAttention(_MegatronModule):
         params = packed_seq_params
         if tree_attention_backend(params.attention.backend, query.device) == "flex":
             if params.block_mask is None:
-                params.block_mask = tree_block_mask(params.subtree_end, params.plan, q.device)
+                params.block_mask = tree_block_mask(
+                    params.subtree_end,
+                    params.plan,
+                    q.device,
+                    rows_per_call=params.attention.flex_rows,
+                )
             out = flex_tree_attention(q, k, v, params.block_mask, scale=self.softmax_scale)
         else:
             out = tree_attention(

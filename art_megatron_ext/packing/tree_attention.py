@@ -40,19 +40,25 @@ BACKENDS = ("auto", "flex", "tiled")
 @dataclass(frozen=True)
 class TreeAttentionConfig:
     """Tile sizes and backend. `block`: query and key block length of the plan (the skip
-    granularity; FlexAttention's block size too). `chunk_keys`: most keys one tile of the
-    tiled kernel holds (bounds the `heads x block x chunk_keys` scores). `backend`: one of
-    `BACKENDS`."""
+    granularity; FlexAttention's block size too, where it must be a power of two >= 16 or a
+    multiple of 128). `chunk_keys`: most keys one tile of the tiled kernel holds (bounds the
+    `heads x block x chunk_keys` scores). `backend`: one of `BACKENDS`. `flex_rows`: rows per
+    FlexAttention call; every call has exactly this many (a batch is split, the last call
+    padded) so the compiled kernel sees one shape whatever the packer makes: set it to the
+    rows of a micro-batch (`flex_tree_attention.py`)."""
 
     block: int = 128
     chunk_keys: int = 2048
     backend: str = "auto"
+    flex_rows: int = 1
 
     def __post_init__(self) -> None:
         if self.block < 1 or self.chunk_keys < self.block:
             raise ValueError(f"need block >= 1 and chunk_keys >= block, got {self}")
         if self.backend not in BACKENDS:
             raise ValueError(f"tree attention backend {self.backend!r}: expected one of {BACKENDS}")
+        if self.flex_rows < 1:
+            raise ValueError(f"TreeAttentionConfig.flex_rows={self.flex_rows}: need >= 1")
 
 
 @dataclass(frozen=True)
