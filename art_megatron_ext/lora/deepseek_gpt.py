@@ -21,6 +21,7 @@ def build_deepseek_gpt(
     params_dtype: torch.dtype = torch.float32,
     max_sequence_length: int = 256,
     make_vocab_size_divisible_by: int = 1,
+    grouped_experts: bool = False,
     **config_overrides,
 ):
     """A local-spec (no Transformer Engine) Megatron `GPTModel` with multi-latent attention and
@@ -30,7 +31,9 @@ def build_deepseek_gpt(
     core attention is `mla_core_attention.SdpaCoreAttention` (Megatron's local one has no
     separate key and value head widths). The vocabulary is padded as Megatron trainers pad it
     (`make_vocab_size_divisible_by` times TP); the loader zero-fills the padded rows and the
-    stream never sends them. Experts are Megatron's `SequentialMLP`."""
+    stream never sends them. Routed experts are Megatron's `SequentialMLP`, or one
+    `ArtGroupedMLP` per layer with `grouped_experts` (the loader and the stream map both; the
+    stream needs expert-TP 1 for grouped experts)."""
     import dataclasses
 
     import torch.nn.functional as F
@@ -41,7 +44,7 @@ def build_deepseek_gpt(
 
     from art_megatron_ext.compat import mla_rotary_modules, set_rotary_inv_freq
 
-    from .hf_moe_weights import _sequence_parallel_norms
+    from .hf_moe_weights import _sequence_parallel_norms, _with_grouped_experts
     from .mla_core_attention import SdpaCoreAttention
 
     tp = config_overrides.setdefault(
@@ -120,6 +123,8 @@ def build_deepseek_gpt(
     spec = dataclasses.replace(spec, layer_specs=layers)
     if config.sequence_parallel:
         spec = _sequence_parallel_norms(spec)
+    if grouped_experts:
+        spec = _with_grouped_experts(spec, shape.num_experts)
     model = GPTModel(
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),

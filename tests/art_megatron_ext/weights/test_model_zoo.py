@@ -155,6 +155,23 @@ def _deepseek(hf_dir: str, rank: int, world: int) -> dict:
     return out
 
 
+def _deepseek_grouped(hf_dir: str, world: int) -> dict:
+    """DeepSeek-V3 with its routed experts as one `ArtGroupedMLP` per layer (whole on every
+    rank: expert TP 1): logits and stream."""
+    from art_megatron_ext.lora.deepseek_gpt import build_deepseek_gpt
+    from art_megatron_ext.lora.hf_deepseek import DeepseekShape
+    from art_megatron_ext.lora.hf_deepseek_weights import load_hf_deepseek_weights
+
+    shape = DeepseekShape.from_hf_config(hf_dir)
+    torch.manual_seed(0)
+    model = build_deepseek_gpt(shape, make_vocab_size_divisible_by=DIVISIBLE, grouped_experts=True)
+    assert any(n.endswith("mlp.experts.linear_fc1.weight") for n, _ in model.named_parameters())
+    load_hf_deepseek_weights(model, hf_dir, shape)
+    with torch.no_grad():
+        logits = _full_logits(_forward(model, _prompts()), world, ZOO_VOCAB)
+    return {"loaded": collect_stream(model, shape), "logits": logits.numpy()}
+
+
 def _worker(rank: int, world: int, dirs: dict[str, str]) -> dict:
     from support.megatron_cpu import cpu_shim, megatron_parallel
 
@@ -172,6 +189,8 @@ def _worker(rank: int, world: int, dirs: dict[str, str]) -> dict:
                 out["qwen3-moe-etp1"] = _moe(dirs["qwen3-moe"], world)
         with megatron_parallel(tp=world):
             out["deepseek-v3"] = _deepseek(dirs["deepseek-v3"], rank, world)
+        with megatron_parallel(tp=world, etp=1):  # grouped experts stream at expert TP 1
+            out["deepseek-v3-grouped"] = _deepseek_grouped(dirs["deepseek-v3"], world)
     return out
 
 
@@ -201,7 +220,7 @@ def ranks(request, zoo) -> tuple[int, list[dict]]:
 @pytest.mark.parametrize("name", [*DENSE, "qwen3-moe", "deepseek-v3"])
 def test_megatron_logits_equal_hf_logits(ranks, hf_logits, name):
     _, results = ranks
-    for key in (name, f"{name}-etp1"):
+    for key in (name, f"{name}-etp1", f"{name}-grouped"):
         if key in results[0]:
             got = torch.from_numpy(results[0][key]["logits"])
             torch.testing.assert_close(got, hf_logits[name], rtol=0, atol=LOGITS_ATOL)
@@ -213,7 +232,7 @@ def test_stream_gives_back_the_checkpoint(ranks, zoo, name):
 
     _, results = ranks
     want = load_file(f"{zoo[name]}/model.safetensors")
-    for case in (name, f"{name}-etp1"):
+    for case in (name, f"{name}-etp1", f"{name}-grouped"):
         if case not in results[0]:
             continue
         sent = {n: torch.from_numpy(a) for n, a in results[0][case]["loaded"][0]}
