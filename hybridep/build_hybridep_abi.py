@@ -21,6 +21,7 @@ SYMBOLS = (
     "art_hybridep_dispatch",
     "art_hybridep_combine",
     "art_hybridep_barrier",
+    "art_hybridep_barrier_arrival",
     "art_hybridep_alloc",
     "art_hybridep_free",
     "art_hybridep_ipc_handle",
@@ -106,6 +107,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ):  # fmt: skip
         fn = getattr(lib, f"art_hybridep_{name}")
         fn.argtypes, fn.restype = [ctypes.POINTER(struct)], ctypes.c_int
+    lib.art_hybridep_barrier_arrival.argtypes = [ctypes.c_uint64, ctypes.c_uint64]
+    lib.art_hybridep_barrier_arrival.restype = ctypes.c_int
     lib.art_hybridep_alloc.argtypes = [_I32, _I64, ctypes.POINTER(_P)]
     lib.art_hybridep_free.argtypes = [_I32, _P]
     lib.art_hybridep_ipc_handle.argtypes = [_I32, _P, ctypes.c_char_p]

@@ -104,8 +104,9 @@ struct ArtHepIntraParams {
 // Cross-rank barrier: rank r stores its new epoch into arrivals[r] (an array in rank 0's
 // registered block) and waits until every arrivals[i] reaches it (monotonic, never reset).
 // On timeout it records the first missing rank in `status` and returns (no trap). An aborting
-// rank posts its epoch with the top bit set; every rank (itself included) that sees it records
-// PEER_FAILED after the barrier completes.
+// rank posts its epoch with the top bit set; every rank (itself included) that sees it at that
+// epoch records PEER_FAILED after the barrier completes (a bit seen on a later epoch than the
+// reader's barrier belongs to the peer's next barrier: art_hybridep_barrier_arrival).
 struct ArtHepBarrierParams {
   uint32_t abi_version;
   uint32_t struct_size;
@@ -127,6 +128,10 @@ ART_API int art_hybridep_unpermute(const ArtHepPermuteParams* p);
 ART_API int art_hybridep_dispatch(const ArtHepIntraParams* p);
 ART_API int art_hybridep_combine(const ArtHepIntraParams* p);
 ART_API int art_hybridep_barrier(const ArtHepBarrierParams* p);
+// The barrier's rule for one peer's arrival word `seen` at barrier `target` (host-callable, the
+// device code calls the same function): 0 wait, 1 passed, 2 passed and that peer aborted this
+// barrier. Exported so the CPU emulation of the device's ordering runs the compiled rule.
+ART_API int art_hybridep_barrier_arrival(unsigned long long seen, unsigned long long target);
 // Registered (peer-visible) memory: a plain cudaMalloc block shared through CUDA IPC.
 ART_API int art_hybridep_alloc(int32_t device, int64_t bytes, void** ptr);
 ART_API int art_hybridep_free(int32_t device, void* ptr);

@@ -154,7 +154,23 @@ __device__ inline unsigned long long global_ns() {
 // call failed posts its epoch with kAbortBit: everyone still passes the barrier (nobody waits
 // for a timeout), then records PEER_FAILED naming the first aborting rank, so later calls
 // raise instead of using rows that rank never wrote.
+//
+// An arrival word holds the newest barrier its rank reached, so a peer read by a slow rank
+// may already be one barrier further: it passed this barrier and posted the next (never two:
+// that needs this rank's next post). An abort bit then belongs to that next barrier, not to
+// this one: taking it here (the first GPU run did) made the slow rank record PEER_FAILED one
+// barrier early, skip its next barrier without posting (`failed(status)`), and leave the
+// aborting rank waiting for it until the timeout. `arrival_verdict` is the rule; the CPU
+// emulation of the device's ordering calls the compiled rule (art_hybridep_barrier_arrival).
 constexpr unsigned long long kAbortBit = 1ull << 63;
+enum ArrivalVerdict : int { kArrivalWait = 0, kArrivalPassed = 1, kArrivalAborted = 2 };
+
+__host__ __device__ inline int arrival_verdict(unsigned long long seen,
+                                               unsigned long long target) {
+  const unsigned long long reached = seen & ~kAbortBit;
+  if (reached < target) return kArrivalWait;
+  return (seen & kAbortBit) && reached == target ? kArrivalAborted : kArrivalPassed;
+}
 
 // Record a failure in the status block: the rank and epoch first, then the code the host and
 // later kernels test, each made visible to the host before the next.
@@ -183,8 +199,9 @@ __global__ void barrier_kernel(unsigned long long* arrivals, unsigned long long*
       unsigned long long seen;
       asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(seen) : "l"(arrivals + r)
                    : "memory");
-      if ((seen & ~kAbortBit) >= target) {
-        if ((seen & kAbortBit) && aborted < 0) aborted = r;
+      const int verdict = arrival_verdict(seen, target);
+      if (verdict != kArrivalWait) {
+        if (verdict == kArrivalAborted && aborted < 0) aborted = r;
         break;
       }
       if (static_cast<long long>(global_ns() - start) > timeout_ns) {
@@ -254,6 +271,10 @@ ART_API int art_hybridep_barrier(const ArtHepBarrierParams* p) {
   barrier_kernel<<<1, 1, 0, static_cast<cudaStream_t>(p->stream)>>>(
       p->arrivals, p->epoch, p->world_size, p->rank, p->abort_flag, p->timeout_ns, p->status);
   return cudaGetLastError();
+}
+
+ART_API int art_hybridep_barrier_arrival(unsigned long long seen, unsigned long long target) {
+  return arrival_verdict(seen, target);
 }
 
 ART_API int art_hybridep_alloc(int32_t device, int64_t bytes, void** ptr) {

@@ -215,7 +215,10 @@ class _Registered:
 class _EmulatedBarrier:
     """The device barrier's protocol on threads: every rank waits for all; a rank posting
     `abort` makes every rank record PEER_FAILED naming it once the barrier completes (what
-    barrier_kernel does). `log` keeps (rank, abort) per call."""
+    barrier_kernel does). `log` keeps (rank, abort) per call. It models the protocol, not
+    the device's ordering (each host blocks at each barrier here, so no rank can post its
+    next barrier before a peer has read this one): that is support/emulated_gpu.py, used by
+    test_barrier_ordering.py."""
 
     def __init__(self, world: int, statuses: list[torch.Tensor]) -> None:
         import threading
