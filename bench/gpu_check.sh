@@ -66,7 +66,8 @@ MEGATRON_TEST_PATHS=(tests/art_megatron_ext/lora/test_no_host_syncs_gpu.py
                      tests/art_megatron_ext/moe/test_hybridep_flex_gpu.py
                      tests/art_megatron_ext/packing/test_tree_attention_megatron_gpu.py
                      tests/art_megatron_ext/weights/test_hf_stream_gpu.py
-                     tests/art_megatron_ext/weights/test_kept_version.py)
+                     tests/art_megatron_ext/weights/test_kept_version.py
+                     tests/art_megatron_ext/weights/test_buckets.py)
 # the Pipeline RL example's trainer on recorded rollouts (no vLLM): its cuda case, with the
 # carried megatron-core, NCCL and no CPU stand-in
 EXAMPLE_TEST_PATHS=(tests/examples/test_trainer_on_device.py)
