@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.hybridep_static import static_pipeline
+from support.hybridep_static import static_inputs, static_pipeline
 
 pytestmark = [
     pytest.mark.gpu,
@@ -17,9 +17,11 @@ pytestmark = [
 
 
 def test_static_budget_path_does_not_synchronize_on_gpu():
+    inputs = static_inputs("cuda")  # the copies to the GPU happen before the mode is on
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = static_pipeline("cuda")
+        out = static_pipeline(inputs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.device.type == "cuda" and tuple(out.shape) == (5, 4)
