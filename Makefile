@@ -17,7 +17,7 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help envs serve-env serve34-env train-env tiny demo demo-serve test test-serve test-serve-v2 test-serve-v1 test-train lint clean gpu-carry
+.PHONY: help envs serve-env serve34-env train-env tiny demo demo-serve test test-serve test-serve-v2 test-serve-v1 test-serve34 test-train lint clean gpu-carry
 help:
 	@echo "make demo   - Pipeline RL end to end on the tiny model (vLLM server, Megatron trainer, rollouts)"
 	@echo "make demo-serve - serve the tiny model with --plugin art and show what the plugin does"
@@ -98,11 +98,13 @@ TEST_LOGS := .cache/test-logs
 test: envs $(SERVE)/.triton-ready $(TINY)/.ready
 ifeq ($(TEST_PARALLEL),1)
 	@mkdir -p $(TEST_LOGS); rm -f $(TEST_LOGS)/*.rc; \
-	echo "[test] in the background: train side, then the serve V1 subset ($(TEST_LOGS)/train.log, v1.log), serve modules with their own servers ($(TEST_LOGS)/serve-own.log); here: serve modules on shared servers"; \
+	echo "[test] in the background: train side, then the serve V1 subset ($(TEST_LOGS)/train.log, v1.log), serve modules with their own servers ($(TEST_LOGS)/serve-own.log); here: serve modules on shared servers, then the vLLM 0.34 subset"; \
 	{ $(MAKE) --no-print-directory test-train > $(TEST_LOGS)/train.log 2>&1; echo $$? > $(TEST_LOGS)/train.rc; \
 	  $(MAKE) --no-print-directory test-serve-v1 > $(TEST_LOGS)/v1.log 2>&1; echo $$? > $(TEST_LOGS)/v1.rc; } & lane=$$!; \
 	$(MAKE) --no-print-directory test-serve-v2 SERVERS=own > $(TEST_LOGS)/serve-own.log 2>&1 & own=$$!; \
-	$(MAKE) --no-print-directory test-serve-v2 SERVERS=shared; shared_rc=$$?; \
+	$(MAKE) --no-print-directory test-serve-v2 SERVERS=shared SERVE_V2_IGNORE="$(SERVE34_SUBSET)"; shared_rc=$$?; \
+	echo "[test] here, after the shared servers: the vLLM 0.34 subset"; \
+	$(MAKE) --no-print-directory test-serve34; s34_rc=$$?; \
 	wait $$own; own_rc=$$?; \
 	echo "================ serve side, own servers ($(TEST_LOGS)/serve-own.log) ================"; \
 	cat $(TEST_LOGS)/serve-own.log; \
@@ -111,12 +113,13 @@ ifeq ($(TEST_PARALLEL),1)
 	cat $(TEST_LOGS)/train.log; \
 	echo "=================== serve side, V1 subset ($(TEST_LOGS)/v1.log) ===================="; \
 	cat $(TEST_LOGS)/v1.log; \
-	echo "[test] exit: train $$train_rc, serve own servers $$own_rc, serve shared servers $$shared_rc, serve V1 $$v1_rc"; \
-	test $$train_rc -eq 0 && test $$own_rc -eq 0 && test $$shared_rc -eq 0 && test $$v1_rc -eq 0
+	echo "[test] exit: train $$train_rc, serve own servers $$own_rc, serve shared servers $$shared_rc, serve V1 $$v1_rc, serve vLLM 0.34 $$s34_rc"; \
+	test $$train_rc -eq 0 && test $$own_rc -eq 0 && test $$shared_rc -eq 0 && test $$v1_rc -eq 0 && test $$s34_rc -eq 0
 else
 	@rc=0; \
 	$(MAKE) --no-print-directory test-train || rc=1; \
 	$(MAKE) --no-print-directory test-serve || rc=1; \
+	$(MAKE) --no-print-directory test-serve34 || rc=1; \
 	exit $$rc
 endif
 # The serve side: every test on Model Runner V2 (what GPUs run; under Triton's interpreter
@@ -134,10 +137,29 @@ test-serve:
 	$(MAKE) --no-print-directory test-serve-v1 || rc=1; \
 	exit $$rc
 # SERVERS=shared|own runs one half of it (tests/support/server_split.py); unset, all of it.
+# SERVE_V2_IGNORE: files left out (`make test` leaves out what its vLLM 0.34 lane runs).
 test-serve-v2: serve-env $(SERVE)/.triton-ready $(TINY)/.ready
-	ART_TEST_MODEL_RUNNER=v2 $(SERVE)/bin/python -m pytest tests/art_vllm_plugin tests/cross_env -m "not train" $(if $(SERVERS),--servers $(SERVERS))
+	ART_TEST_MODEL_RUNNER=v2 $(SERVE)/bin/python -m pytest tests/art_vllm_plugin tests/cross_env -m "not train" $(if $(SERVERS),--servers $(SERVERS)) $(addprefix --ignore=,$(SERVE_V2_IGNORE))
 test-serve-v1: serve-env $(TINY)/.ready
 	ART_TEST_MODEL_RUNNER=v1 $(SERVE)/bin/python -m pytest $(SERVE_V1_SUBSET) -m "not train"
+# vLLM 0.34 (Model Runner V2 only; .venv-serve34): a subset, because the whole suite on a
+# second vLLM would double the serve side (about 50 min of lanes) past CI's 35 minutes. Chosen:
+# the in-flight update contract (the plugin's core: slot swaps between steps, spans with n>1,
+# streaming and chat, aliases, update races, memory over 200 updates) and the capabilities
+# report (the version and runner served), on one shared `lora` server start. In `make test` it
+# replaces those two files in 0.32's MRV2 run (SERVE_V2_IGNORE; MRV2 is the runner of both, and
+# 0.32 keeps them on the V1 runner in SERVE_V1_SUBSET), so it runs after the shared-servers
+# lane, which loses them, and builds .venv-serve34 there (about 2 min cold) while the other
+# lanes run. Measured, `pytest SERVE34_SUBSET` alone on this 2-core machine beside other
+# agents' work (2026-12-07): 34 passed in 5 min 45 s (in-flight file only, load ~3), 7 min 37 s
+# (both files, load ~5, server start 151 s); 8 min 21 s at load ~17. Not measured: a whole
+# clean-clone `make test` with this lane (the shared lane was 28.5 min on 2026-12-04, with
+# these files in it). Issue 37 asks for more on 0.34 (full-weight, routes, leases;
+# docs/compat.md says what passes by hand and why the DP=2 files cannot start here).
+SERVE34_SUBSET := tests/art_vllm_plugin/test_inflight_update.py \
+	tests/art_vllm_plugin/api_server/test_capabilities.py
+test-serve34: serve34-env $(TINY)/.ready
+	ART_TEST_MODEL_RUNNER=v2 $(SERVE34)/bin/python -m pytest $(SERVE34_SUBSET) -m "not train"
 test-train: train-env
 	$(TRAIN)/bin/python -m pytest tests/art_protocol tests/art_megatron_ext tests/hybridep tests/train_env tests/examples
 
