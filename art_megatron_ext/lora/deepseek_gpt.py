@@ -54,6 +54,9 @@ def build_deepseek_gpt(
         "expert_tensor_parallel_size", parallel_state.get_expert_tensor_parallel_world_size()
     )
     config_overrides.setdefault("sequence_parallel", tp > 1)
+    config_overrides.setdefault(
+        "pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size()
+    )
     yarn = shape.yarn
     grouped = 1 < shape.topk_group < shape.n_group
     config = MLATransformerConfig(

@@ -29,6 +29,7 @@ import torch
 from .hf_config import UnmappedConfig, check_dense, read_config, rope_inv_freq
 from .hf_weights import (
     UnmappedWeights,
+    _global_name,
     _read_safetensors,
     _Reads,
     attention_state,
@@ -145,6 +146,9 @@ def build_moe_gpt(
         "expert_tensor_parallel_size", parallel_state.get_expert_tensor_parallel_world_size()
     )
     config_overrides.setdefault("sequence_parallel", tp > 1)
+    config_overrides.setdefault(
+        "pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size()
+    )
     config = TransformerConfig(
         num_layers=shape.num_hidden_layers,
         hidden_size=shape.hidden_size,
@@ -301,19 +305,6 @@ def megatron_moe_state_from_hf(
 
 GROUPED_FC1 = ".mlp.experts.linear_fc1.weight"
 GROUPED_NAMES = (GROUPED_FC1, ".mlp.experts.linear_fc2.weight")
-
-
-def _global_name(model: torch.nn.Module, name: str, experts_offset: int) -> str:
-    """The TP = PP = EP = 1 name of this rank's parameter `name` (stage-local layer index ->
-    global layer, local expert index -> global expert)."""
-    parts = name.split(".")
-    if parts[:2] == ["decoder", "layers"]:
-        layer = model.decoder.layers[int(parts[2])]
-        parts[2] = str(layer.layer_number - 1)
-        if "local_experts" in parts:
-            at = parts.index("local_experts") + 1
-            parts[at] = str(int(parts[at]) + experts_offset)
-    return ".".join(parts)
 
 
 def load_hf_moe_weights(model: torch.nn.Module, model_dir: str | Path, shape: MoeShape) -> None:

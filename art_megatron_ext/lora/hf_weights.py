@@ -66,6 +66,19 @@ class _Reads(dict):
             )
 
 
+def _global_name(model: torch.nn.Module, name: str, experts_offset: int = 0) -> str:
+    """The TP = PP = EP = 1 name of this rank's parameter `name` (stage-local layer index ->
+    global layer, local expert index -> global expert)."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        layer = model.decoder.layers[int(parts[2])]
+        parts[2] = str(layer.layer_number - 1)
+        if "local_experts" in parts:
+            at = parts.index("local_experts") + 1
+            parts[at] = str(int(parts[at]) + experts_offset)
+    return ".".join(parts)
+
+
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """`t` with zero rows appended up to `rows` (the padded vocabulary)."""
     if t.shape[0] == rows:
@@ -157,14 +170,23 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str | Path, shape) -> Non
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     hf = _Reads(_read_safetensors(Path(model_dir)), str(model_dir))
-    params = dict(unwrap_model(model).named_parameters())
+    inner = unwrap_model(model)
+    # global layer names: a pipeline stage holds layers from layer_number - 1 on
+    params = {_global_name(inner, n): p for n, p in inner.named_parameters()}
     te_layernorm = any(name.endswith("linear_qkv.layer_norm_weight") for name in params)
-    embedding = params.get("embedding.word_embeddings.weight")
-    padded = None if embedding is None else embedding.shape[0] * tp_size
+    vocab_param = params.get("embedding.word_embeddings.weight", params.get("output_layer.weight"))
+    padded = None if vocab_param is None else vocab_param.shape[0] * tp_size
     state = megatron_state_from_hf(
         hf, shape, tp_rank, tp_size, te_layernorm=te_layernorm, padded_vocab=padded
     )
+    if getattr(shape, "tie_word_embeddings", False) and "output_layer.weight" in params:
+        # a tied model's last pipeline stage holds a copy of the embedding as its output layer
+        embedding = _pad_rows(hf["model.embed_tokens.weight"], padded)
+        state["output_layer.weight"] = embedding.chunk(tp_size, dim=0)[tp_rank]
     hf.check_all_read()
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        # a stage holds its own layers (and the embedding / output layer where they live)
+        state = {n: t for n, t in state.items() if n in params}
     missing = sorted(set(state) - set(params))
     if missing:
         raise UnmappedWeights(f"{model_dir}: Megatron model has no parameter {missing[0]}")

@@ -41,8 +41,11 @@ tensors (`mla_stream`); an MoE layer also streams its router's `expert_bias` buf
 Scope: the dense Llama/Qwen GPT of `lora.tiny_gpt` (local or Transformer Engine spec, any TP size,
 q/k/v biases, q/k norms), the MoE GPT above (local spec, any TP, EP and expert-TP size as its
 loader; experts as `SequentialMLP`, our `ArtGroupedMLP` or `TEGroupedMLP`, the grouped ones at
-expert-TP 1) and the DeepSeek-V3 GPT, one pipeline stage. Refused by name before anything is
-sent: pipeline stages, a `HybridModel`, a shared-expert gate and any other expert parameter the
+expert-TP 1) and the DeepSeek-V3 GPT, over pipeline stages too: each stage makes its own
+tensors whole and, in the sender's pipeline group, relays them to the sender on the first
+stage (`stage_relay`; the sender must sit on the first stage). Refused by name before anything
+is sent: virtual pipeline stages, a `HybridModel`, a shared-expert gate and any other expert
+parameter the
 HF mappings do not read.
 """
 
@@ -57,6 +60,7 @@ import torch
 from art_megatron_ext.lora.hf_layout import FUSED_GATE_UP, fused_qkv, split_fused_b
 from art_megatron_ext.lora.hf_moe_weights import moe_targets
 from art_megatron_ext.weights.mla_stream import mla_tensors
+from art_megatron_ext.weights.stage_relay import StageRelay
 from art_protocol.weights_digest import WeightsDigest
 
 
@@ -144,11 +148,11 @@ def _check_scope(params: dict[str, torch.Tensor]) -> None:
 
     if (
         parallel_state.model_parallel_is_initialized()
-        and parallel_state.get_pipeline_model_parallel_world_size() > 1
+        and parallel_state.get_virtual_pipeline_model_parallel_world_size() not in (None, 1)
     ):
         raise NotImplementedError(
-            "stream_hf_weights: pipeline_model_parallel_size > 1 is not supported yet (each "
-            "stage would stream its own layers; say so in the issue tracker)"
+            "stream_hf_weights: virtual pipeline stages (interleaved schedules) are not "
+            "streamed (one model chunk per stage is); nothing was streamed"
         )
     unmapped = [
         n
@@ -250,14 +254,15 @@ def _moe_tensors(
 def _layer_tensors(
     params: dict[str, torch.Tensor],
     i: int,
+    global_i: int,
     shape,
     group,
     size: int,
     ep: tuple,
     etp: tuple,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Layer i's HF tensors, in checkpoint order."""
-    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    """This stage's layer `i` (global layer `global_i`)'s HF tensors, in checkpoint order."""
+    m, h = f"decoder.layers.{i}.", f"model.layers.{global_i}."
     # A norm lives in its own module or in the layernorm-fused linear after it (TE specs);
     # a TE spec's MoE layer keeps `pre_mlp_layernorm` (its experts fuse no norm).
     attn_norm, mlp_norm = (
@@ -350,33 +355,44 @@ def stream_hf_weights(
     stage = _HostStage()
     vocab = shape.vocab_size
 
+    def count(name: str, tensor: torch.Tensor) -> None:
+        digest.add(name, str(tensor.dtype), tuple(tensor.shape), b"", _nbytes(tensor))
+
     def emit(name: str, tensor: torch.Tensor) -> None:
         tensor = tensor.contiguous()
         if not send:
-            digest.add(name, str(tensor.dtype), tuple(tensor.shape), b"", _nbytes(tensor))
+            count(name, tensor)
             return
         data = stage.bytes_of(tensor).numpy()
         digest.update(name, str(tensor.dtype), tuple(tensor.shape), data)
         sink(name, tensor)
 
-    emit(
-        "model.embed_tokens.weight",
-        _vocab_rows(_gather(params["embedding.word_embeddings.weight"], 0, group, size), vocab),
-    )
-    layers = shape.num_hidden_layers
-    for i in range(layers):
-        for name, tensor in _layer_tensors(params, i, shape, group, size, ep, etp):
-            emit(name, tensor)
-    emit("model.norm.weight", params["decoder.final_layernorm.weight"].detach().clone())
-    if "output_layer.weight" in params:  # untied: its own tensor
-        emit(
-            "lm_head.weight",
-            _vocab_rows(_gather(params["output_layer.weight"], 0, group, size), vocab),
-        )
+    def own() -> Iterator[tuple[str, torch.Tensor]]:
+        """This pipeline stage's tensors: the embedding on the first stage, its layers, the
+        final norm and (untied) output layer on the last."""
+        embedding = params.get("embedding.word_embeddings.weight")
+        if embedding is not None:
+            yield (
+                "model.embed_tokens.weight",
+                _vocab_rows(_gather(embedding, 0, group, size), vocab),
+            )
+        for i, layer in enumerate(inner.decoder.layers):
+            global_i = layer.layer_number - 1
+            yield from _layer_tensors(params, i, global_i, shape, group, size, ep, etp)
+        norm = params.get("decoder.final_layernorm.weight")
+        if norm is not None:
+            yield "model.norm.weight", norm.detach().clone()
+        # a tied last stage holds a copy of the embedding as its output layer: not sent
+        output = params.get("output_layer.weight")
+        if output is not None and not getattr(shape, "tie_word_embeddings", False):
+            yield "lm_head.weight", _vocab_rows(_gather(output, 0, group, size), vocab)
+
+    device = next(iter(params.values())).device
+    StageRelay(send, device).run(own(), emit, count)
     return StreamReceipt(
         tensors=digest.tensors,
         bytes=digest.bytes,
-        layers=layers,
+        layers=shape.num_hidden_layers,
         digest=digest.hexdigest() if send else None,
     )
 

@@ -114,15 +114,16 @@ def test_the_digest_names_the_set_of_tensors_dtype_shape_and_bytes(tmp_path):
     assert digest_checkpoint(tmp_path).hexdigest() == base
 
 
-def test_pipeline_stages_are_refused_by_name():
-    """Each stage holds only its layers; the stream is one stage only (MoE streams: see
-    test_hf_stream_moe.py)."""
-    results = run_ranks(_pipeline_worker, world_size=2)
+def test_virtual_pipeline_stages_are_refused_by_name():
+    """One model chunk per pipeline stage streams (test_stream_pipeline.py); an interleaved
+    schedule's several chunks per stage are refused before anything moves."""
+    results = run_ranks(_virtual_pipeline_worker, world_size=2)
     for result in results:
-        assert "pipeline_model_parallel_size > 1" in result and "not supported yet" in result
+        assert "virtual pipeline stages" in result and "nothing was streamed" in result
 
 
-def _pipeline_worker(rank: int, world: int) -> str:
+def _virtual_pipeline_worker(rank: int, world: int) -> str:
+    from megatron.core import parallel_state
     from support.megatron_cpu import cpu_shim, megatron_parallel
 
     from art_megatron_ext.lora.tiny_gpt import GptShape, build_gpt
@@ -131,10 +132,13 @@ def _pipeline_worker(rank: int, world: int) -> str:
     shape = GptShape(**TINY)
     with cpu_shim(), megatron_parallel(pp=world):
         model = build_gpt(shape, pipeline_parallel=world)
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(2)
         try:
             stream_hf_weights(model, shape, lambda n, t: None)
         except NotImplementedError as exc:
             return str(exc)
+        finally:
+            parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
     return "no refusal"
 
 
