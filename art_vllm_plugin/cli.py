@@ -94,6 +94,29 @@ def _adapter_bytes_arg(value: str) -> int:
         raise argparse.ArgumentTypeError(f"--art-max-adapter-bytes: {exc}") from exc
 
 
+def _weights_staging_arg(value: str) -> str:
+    """`--art-weights-staging`: only `host` is built. `gpu` (the shard staged in GPU memory
+    reserved at start) is refused by name rather than taken as host: no test here could show
+    it works (no GPU runs vLLM in this project's checks)."""
+    if value == "host":
+        return value
+    if value == "gpu":
+        raise argparse.ArgumentTypeError(
+            "--art-weights-staging gpu: staging full-weight shards in GPU memory reserved at "
+            "start is not built yet; use host (pinned host memory on GPUs)"
+        )
+    raise argparse.ArgumentTypeError(f"--art-weights-staging: expected host or gpu, got {value!r}")
+
+
+def _staging_bytes_arg(value: str) -> int:
+    from art_vllm_plugin.staging import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--art-weights-staging-bytes: {exc}") from exc
+
+
 class CpuLayoutAction(argparse.Action):
     """`--art-cpu-layout {auto,off}`: exported to the EngineCore process it concerns.
 
@@ -199,6 +222,25 @@ def add_art_options(parser: argparse.ArgumentParser) -> None:
         help="Largest adapter (both files together) an update may stage, by path or pushed; "
         "a larger one is refused with 413 before it is staged. Bytes, or with KiB/MiB/GiB "
         "(default 4GiB).",
+    )
+    group.add_argument(
+        "--art-weights-staging",
+        type=_weights_staging_arg,
+        dest="art_weights_staging",
+        default="host",
+        metavar="{host,gpu}",
+        help="Where each worker stages its shard of a streamed full-weight version: host "
+        "(default; pinned host memory on GPUs). gpu is not built yet and is refused.",
+    )
+    group.add_argument(
+        "--art-weights-staging-bytes",
+        type=_staging_bytes_arg,
+        dest="art_weights_staging_bytes",
+        metavar="N",
+        help="Host memory each worker may hold for streamed full-weight versions: the shard "
+        "of the version arriving plus the current version's shard kept as the undo. A stream "
+        "beyond it is refused with 507 before a byte moves. Bytes, or with KiB/MiB/GiB "
+        "(default: not limited).",
     )
 
 

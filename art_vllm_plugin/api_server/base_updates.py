@@ -35,7 +35,9 @@ the trainer's stream through its weight-transfer engine, and the digest is the o
 worker reports for what it received (all equal, and the request's when it names one). The
 trainer sends once every worker is receiving (`ready_key` in the group's store), so a
 refusal before that point costs it nothing. The streamed version's weights stay in the
-workers' host memory while current (what a revert of the next update writes back).
+workers' host memory while current, each worker its shard (what a revert of the next update
+writes back); with `--art-weights-staging-bytes` a stream that would take some worker over
+that budget (its held shard plus the new one) is refused 507 before it is staged.
 `init_transfer` has every worker of every engine join the trainer's group first.
 """
 
@@ -77,8 +79,17 @@ class BaseUpdater:
     """Runs full-weight updates; one at a time on this API server (and across API servers,
     by engine 0's reservation)."""
 
-    def __init__(self, coordinator: UpdateCoordinator, served_dir: Path | None, model: str):
+    def __init__(
+        self,
+        coordinator: UpdateCoordinator,
+        served_dir: Path | None,
+        model: str,
+        staging_budget: int | None = None,
+    ):
         self.coordinator = coordinator
+        #: `--art-weights-staging-bytes`: host bytes each worker may hold for streamed
+        #: versions (the one arriving and the held undo); None: not limited.
+        self.staging_budget = staging_budget
         self.view = coordinator.view
         self.engine_client = coordinator.engine_client
         self.engines = coordinator.engines
@@ -216,6 +227,7 @@ class BaseUpdater:
             if not admitted["ok"]:
                 return admitted["replayed"]
             keeps = f"the base weights keep serving version {admitted['version']}"
+            await self._check_budget(keeps)
             try:
                 stage_dir = await asyncio.to_thread(
                     staging.fill_stage,
@@ -242,6 +254,42 @@ class BaseUpdater:
             return await self._finish(
                 req, token, fingerprint, admitted["version"], digest, result, t0, admitted["server"]
             )
+
+    async def staging(self) -> list:
+        """Every worker's staging figures, by engine (`art_base_staging`): shard and held
+        bytes, where it stages, which path its commit takes."""
+        answers = await slot_publish.call_all(self.engine_client, self.engines, "art_base_staging")
+        return [
+            {"engine": e.dp_rank, "error": f"{type(a).__name__}: {a}"}
+            if isinstance(a, BaseException)
+            else {"engine": e.dp_rank, "workers": a}
+            for e, a in zip(self.engines, answers, strict=True)
+        ]
+
+    async def _check_budget(self, keeps: str) -> None:
+        """507 before a byte moves when some worker would hold more than the staging budget:
+        the new version's shard plus the held undo (the current version's shard, when it
+        came as a stream)."""
+        if self.staging_budget is None:
+            return
+        for engine in await self.staging():
+            if "error" in engine:
+                raise UpdateError(
+                    500,
+                    f"engine {engine['engine']} did not say what it would stage "
+                    f"({engine['error']}); nothing was sent; {keeps}",
+                )
+            for w in engine["workers"]:
+                need = w["shard_bytes"] + w["held_bytes"]
+                if need > self.staging_budget:
+                    raise UpdateError(
+                        507,
+                        f"staging this version needs {need} bytes of host memory on worker "
+                        f"{w['rank']} of engine {engine['engine']} ({w['shard_bytes']} for its "
+                        f"shard, {w['held_bytes']} for the current version's shard kept as the "
+                        f"undo), over this server's --art-weights-staging-bytes "
+                        f"{self.staging_budget}; nothing was sent; {keeps}",
+                    )
 
     async def _check_and_publish(self, req, token, stage_dir: Path, source: str, keeps: str):
         try:

@@ -142,12 +142,18 @@ async def weights_transfer_init(request: Request):
 @router.get("/v1/weights")
 async def weights(request: Request) -> dict:
     """The base weights as engine 0's registry has them: version, digest, update counts and
-    whether they are blocked."""
+    whether they are blocked; and `staging`: what a streamed version costs each worker of
+    each engine (shard and held bytes, where it stages, the staging budget) and the path its
+    commit takes (modules copied, modules rebuilt, and why: `worker/shard_commit.py`)."""
     art = request.app.state.art
     await art.slots.refresh(force=True)
     base = dict(art.slots.base)
     base.pop("name", None)
     base.pop("lora_int_id", None)
+    base["staging"] = {
+        "budget_bytes": art.base_updates.staging_budget,
+        "engines": await art.base_updates.staging(),
+    }
     return base
 
 

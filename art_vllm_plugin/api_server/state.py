@@ -116,7 +116,12 @@ class ApiServerState:
             serving_models=serving_models,
             slots=view,
             updates=updates,
-            base_updates=BaseUpdater(updates, served_checkpoint(model), model),
+            base_updates=BaseUpdater(
+                updates,
+                served_checkpoint(model),
+                model,
+                staging_budget=getattr(args, "art_weights_staging_bytes", None),
+            ),
             api_key_digests=configured_keys(getattr(args, "api_key", None)),
             allow_unauthenticated=bool(getattr(args, "art_allow_unauthenticated", False)),
             max_body_bytes=int(getattr(args, "art_max_body_bytes", DEFAULT_MAX_BODY_BYTES)),

@@ -584,6 +584,54 @@ RELOAD_INFO_KERNEL_TENSORS = VllmName(
 RELOAD_INFO_RESET = VllmName(
     _RELOAD_INFO, "LayerReloadingInfo.reset", "method", "disarms a layer a failed write left armed"
 )
+# -- a worker's shard of a streamed version, and its commit (compat/shard_forms.py) ------------
+_RELOAD_META = "vllm.model_executor.model_loader.reload.meta"
+RESTORE_LAYER_REFS = VllmName(
+    "vllm.model_executor.model_loader.reload.sanitize",
+    "restore_layer_refs",
+    "function",
+    "a staging tensor's weight loader is bound to the layer it loads for (the shard stage)",
+)
+RESTORE_LAYER_ON_META = VllmName(
+    _RELOAD_META,
+    "restore_layer_on_meta",
+    "function",
+    "a processed layer is rebuilt in its loaded form from the staged shard (the commit)",
+)
+MATERIALIZE_LAYER = VllmName(
+    _RELOAD_META, "materialize_layer", "function", "the rebuilt layer's tensors get memory"
+)
+GET_LAYER_PARAMS_BUFFERS = VllmName(
+    "vllm.model_executor.model_loader.reload.utils",
+    "get_layer_params_buffers",
+    "function",
+    "the tensors the forward reads, kept while a processed layer is rebuilt",
+)
+COPY_AND_RESTORE_KERNEL_TENSORS = VllmName(
+    _LAYERWISE,
+    "_copy_and_restore_kernel_tensors",
+    "function",
+    "the rebuilt layer's processed values go into the tensors the forward reads",
+)
+GET_ORIGINAL_LOADER = VllmName(
+    _LAYERWISE,
+    "_get_original_loader",
+    "function",
+    "a staging tensor takes the loader vLLM made, without the layerwise wrapper that a reload "
+    "leaves on the recorded loaded form (it would drop every tensor as excessive loading)",
+)
+QUANTIZE_METHOD_BASE = VllmName(
+    "vllm.model_executor.layers.quantization.base_config",
+    "QuantizeMethodBase",
+    "class",
+    "a layer with weight processing (its quant_method) cannot take a plain copy unless probed",
+)
+IS_DEFERRED_ATTENTION_LAYER = VllmName(
+    "vllm.model_executor.layers.attention",
+    "is_deferred_attention_layer",
+    "function",
+    "attention layers are processed with the model config: never a plain copy",
+)
 SET_CURRENT_VLLM_CONFIG = VllmName(
     "vllm.config.vllm",
     "set_current_vllm_config",

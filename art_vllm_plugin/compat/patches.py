@@ -139,10 +139,11 @@ SLOT_UPDATE_UTILITIES = adds(
 BASE_UPDATE_UTILITIES = adds(
     _ENGINE,
     "EngineCore",
-    ("art_stage_base_update", "art_init_weight_transfer"),
+    ("art_stage_base_update", "art_init_weight_transfer", "art_base_staging"),
     by="engine_core.base_updates",
-    why="utility calls that stage a full-weight update (the rest goes through the slot books) "
-    "and join every worker of an engine to the trainer's weight-transfer group",
+    why="utility calls that stage a full-weight update (the rest goes through the slot books), "
+    "join every worker of an engine to the trainer's weight-transfer group, and say what a "
+    "streamed version costs each worker",
 )
 RELAYED_STAGE_UTILITIES = adds(
     _ENGINE,
@@ -190,9 +191,10 @@ WORKER_UTILITIES = adds(
 WORKER_BASE_UTILITIES = adds(
     "vllm.v1.worker.worker_base",
     "WorkerBase",
-    ("art_rollback_base_update",),
+    ("art_rollback_base_update", "art_base_staging"),
     by="worker.base_weights",
-    why="collective_rpc target: an engine reverts a full-weight commit another engine failed",
+    why="collective_rpc targets: an engine reverts a full-weight commit another engine failed; "
+    "a worker's shard bytes and commit path (staging budget, GET /art/v1/weights)",
 )
 WORKER_RIDE_UTILITY = adds(
     "vllm.v1.worker.worker_base",

@@ -73,3 +73,9 @@ def art_init_weight_transfer(self, init_info: dict) -> dict:
         "workers": compat.engine_worker_count(self),
         "ms": (time.perf_counter() - t0) * 1e3,
     }
+
+
+def art_base_staging(self) -> list[dict]:
+    """Every worker's shard bytes, held undo bytes, staging place and commit path
+    (`worker/base_weights.art_base_staging`), in rank order."""
+    return list(compat.engine_executor(self).collective_rpc("art_base_staging"))

@@ -7,9 +7,11 @@ two steps, put the previous weights back when told to.
   (`art_vllm_plugin.staging`). Nothing the model uses is touched.
 - `stage` of a stream (the source is a transfer plan, `art_protocol.weight_transfer`): receive
   the trainer's stream through the weight-transfer engine vLLM built
-  from `--weight-transfer-config`, retargeted at a host sink instead of the model
+  from `--weight-transfer-config`, retargeted at a sink instead of the model
   (`set_weight_update_target`), so any engine that delivers through `model.load_weights`
-  (vLLM's NCCL and IPC engines, `art_gloo` here) stages instead of writing live weights. The
+  (vLLM's NCCL and IPC engines, `art_gloo` here) stages instead of writing live weights; the
+  sink keeps only this worker's shard, in the parameters' loaded form (`shard_stage`), and
+  its commit is a copy where the served form is that form (`shard_commit`). The
   ready marker carries the digest of what arrived, which the API server compares across
   workers and with the request; a NaN, a tensor missing or a digest that does not match is a
   refusal (`adapter` kind: 422). Where: an engine of one worker receives on the worker's
@@ -35,9 +37,9 @@ two steps, put the previous weights back when told to.
 The undo is *where the previous weights can be read again*, not a copy of them: the served
 model's own files (read as vLLM loaded them) for the start weights, else the directory of the
 previous full-weight version, which the API server keeps while it is current
-(`api_server/base_updates.py`), else, when the current version came as a stream, the host
-tensors it was staged in, which the worker keeps while that version is current (the stream
-left no files anywhere: a host copy of the checkpoint per worker is the price). Why not a
+(`api_server/base_updates.py`), else, when the current version came as a stream, the shard
+it was staged in, which the worker keeps while that version is current (the stream left no
+files anywhere: this worker's shard in host memory is the price). Why not a
 copy of the parameters: on CPU (and for quantized models) the live tensors are processed
 forms (packed GEMM weights), which cannot be written back as they are; a reload from
 checkpoint-format tensors always can. Cost: a revert reads the previous weights again (a
@@ -52,7 +54,8 @@ import json
 from art_protocol.checkpoint_layout import checkpoint_files
 from art_protocol.weights_digest import WeightsDigest
 from art_vllm_plugin import compat, staging
-from art_vllm_plugin.worker import write_probes
+from art_vllm_plugin.compat import shard_forms
+from art_vllm_plugin.worker import shard_commit, shard_stage, write_probes
 from art_vllm_plugin.worker.stager import STREAM, stage_in_background
 from art_vllm_plugin.worker.state import BaseUndo, StagedBase, worker_state
 
@@ -79,26 +82,30 @@ def _stage(worker, staged: StagedBase, stage_dir: str, marker_dir: str, rank: in
     staging.mark(marker_dir, rank, ok, message)
 
 
-class _HostSink:
-    """Stands in for the model as a weight-transfer engine's target: keeps what arrives in
-    host memory and digests it."""
+class _ShardSink:
+    """Stands in for the model as a weight-transfer engine's target: digests each checkpoint
+    tensor as it arrives, checks its values, and hands it to this worker's shard stage
+    (`shard_stage.ShardStage`), which keeps only the slice this worker's parameters hold."""
 
-    def __init__(self):
-        self.tensors: dict = {}
+    def __init__(self, stage):
+        self.stage = stage
         self.digest = WeightsDigest()
+        self.problems: list[str] = []
 
     def load_weights(self, weights):
         import torch
 
         for name, tensor in weights:
-            # Device tensors (NCCL, IPC) live in buffers the engine reuses: copy to host. A
-            # CPU engine's tensors (art_gloo) are fresh per tensor and kept as they are.
-            kept = tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
-            kept = kept.contiguous()
-            data = kept.view(torch.uint8).numpy() if kept.numel() else b""
-            self.digest.update(name, str(kept.dtype), tuple(kept.shape), data)
-            self.tensors[name] = kept
-        return set(self.tensors)
+            # Device tensors (NCCL, IPC) live in buffers the engine reuses; the digest reads a
+            # host copy of each, which is dropped once the shard took its slice.
+            host = tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
+            host = host.contiguous()
+            data = host.view(torch.uint8).numpy() if host.numel() else b""
+            self.digest.update(name, str(host.dtype), tuple(host.shape), data)
+            if host.is_floating_point() and not bool(torch.isfinite(host).all()):
+                self.problems.append(f"{name}: holds NaN or infinite values")
+            self.stage.load_weights([(name, tensor)])
+        return self.stage.names
 
 
 def _update_info(engine, plan: dict, digest: str | None) -> dict:
@@ -110,15 +117,16 @@ def _update_info(engine, plan: dict, digest: str | None) -> dict:
     return info
 
 
-def _problems(plan: dict, sink: _HostSink, digest: str | None) -> list[str]:
-    import torch
-
-    problems = [f"{name}: not received" for name in plan["names"] if name not in sink.tensors]
-    problems += [
-        f"{name}: holds NaN or infinite values"
-        for name, t in sink.tensors.items()
-        if t.is_floating_point() and not bool(torch.isfinite(t).all())
-    ]
+def _problems(plan: dict, sink: _ShardSink, digest: str | None) -> list[str]:
+    names = sink.stage.names
+    problems = [f"{name}: not received" for name in plan["names"] if name not in names]
+    problems += sink.problems
+    problems += [f"{p}: no tensor of the stream was loaded into it" for p in sink.stage.unwritten()]
+    if names and len(sink.stage.ignored) == len(names):
+        problems.append(
+            f"the model's loaders took nothing of any of the {len(names)} tensors received "
+            "(nothing would change)"
+        )
     got = sink.digest.hexdigest()
     if digest is not None and got != digest:
         problems.append(f"the digest of what arrived ({got}) is not the request's {digest}")
@@ -134,15 +142,16 @@ def _stage_stream(worker, staged: StagedBase, plan: dict, digest, marker_dir: st
         )
         staging.mark(marker_dir, rank, False, f"engine\n{staged.error}")
         return
-    sink = _HostSink()
     refused = None
     try:
+        sink = _ShardSink(shard_stage.ShardStage(*staging_layout(worker)))
         model_config = compat.worker_model_runner(worker).vllm_config.model_config
         engine.set_weight_update_target(sink, model_config)
         try:
             engine.receive_weights(engine.parse_update_info(_update_info(engine, plan, digest)))
         finally:
             engine.reset_weight_update_target()
+            sink.stage.seal()
         problems = _problems(plan, sink, digest)
         if problems:
             refused = "; ".join(problems)
@@ -156,9 +165,15 @@ def _stage_stream(worker, staged: StagedBase, plan: dict, digest, marker_dir: st
         staged.error = refused
         staging.mark(marker_dir, rank, False, f"adapter\n{refused}")
         return
-    staged.tensors = sink.tensors
+    staged.shard = sink.stage
+    staged.tensors = {}
     staged.streamed = True
-    staging.mark(marker_dir, rank, True, json.dumps({"digest": sink.digest.hexdigest()}))
+    ready = {
+        "digest": sink.digest.hexdigest(),
+        "staged_bytes": sink.stage.nbytes,
+        "ignored": sink.stage.ignored,
+    }
+    staging.mark(marker_dir, rank, True, json.dumps(ready))
 
 
 def stage(worker, token: str, source, marker_dir: str, digest: str | None = None) -> None:
@@ -181,16 +196,19 @@ def stage(worker, token: str, source, marker_dir: str, digest: str | None = None
 def _write_back(worker, undo: BaseUndo) -> str | None:
     """Write the weights `undo` says the commit replaced back in place; None, or why that
     failed."""
-    if undo.held is not None:
-        weights, where = iter(undo.held.items()), "the previous stream (held in host memory)"
-    elif undo.previous_dir is not None:
-        weights, where = read_dir(undo.previous_dir), undo.previous_dir
-    else:
-        weights, where = compat.served_weights(worker), "the served model's files"
     try:
+        if undo.held is not None:  # the previous streamed version's shard, kept here
+            shard_commit.commit(worker, undo.held)
+            return None
+        if undo.previous_dir is not None:
+            weights, where = read_dir(undo.previous_dir), undo.previous_dir
+        else:
+            weights, where = compat.served_weights(worker), "the served model's files"
         compat.reload_weights_in_place(worker, write_probes.probed(worker, weights))
         return None
     except Exception as exc:
+        if undo.held is not None:
+            where = "the previous stream's shard (held in host memory)"
         return f"writing back the weights of {where} failed: {type(exc).__name__}: {exc}"
 
 
@@ -208,8 +226,11 @@ def commit_locked(worker, token: str, label: str | None, previous_dir: str | Non
     if fault:
         state.fault = None
     try:
-        weights = write_probes.probed(worker, staged.tensors, fail_mid_layer=fault)
-        compat.reload_weights_in_place(worker, weights)
+        if staged.shard is not None:  # a stream: this worker's shard (`shard_commit`)
+            shard_commit.commit(worker, staged.shard, fail_after_first=fault)
+        else:
+            weights = write_probes.probed(worker, staged.tensors, fail_mid_layer=fault)
+            compat.reload_weights_in_place(worker, weights)
     except Exception as exc:
         return {
             "ok": False,
@@ -219,8 +240,8 @@ def commit_locked(worker, token: str, label: str | None, previous_dir: str | Non
         }
     if label is not None:
         state.label = label
-    # A streamed version can only be read again from here: keep its tensors while current.
-    state.held_base = staged.tensors if staged.streamed else None
+    # A streamed version can only be read again from here: keep its shard while current.
+    state.held_base = staged.shard if staged.streamed else None
     state.undo_base[token] = undo
     return {"ok": True, "rank": rank}
 
@@ -237,6 +258,43 @@ def rollback_locked(worker, token: str) -> dict:
     state.label = undo.label
     state.held_base = undo.held
     return {"ok": True, "rank": rank, "restored": True}
+
+
+def staging_layout(worker) -> tuple:
+    """(model, layout, pinned) of this worker's shard stages, the layout made once
+    (`shard_stage.layout`): pinned host memory where the platform has CUDA."""
+    state = worker_state(worker)
+    model = compat.worker_model_runner(worker).get_model()
+    if state.shard_layout is None:
+        state.shard_layout = shard_stage.layout(model)
+    return model, state.shard_layout, not compat.is_cpu_platform()
+
+
+def art_base_staging(self) -> dict:
+    """What a streamed version costs this worker, known before a byte moves: its shard's bytes
+    (`shard_bytes`), the held undo's (`held_bytes`: the current version's shard when it came
+    as a stream), where it is staged, and the path its commit takes per module (`commit`:
+    modules copied, modules rebuilt, and why). Read by the API server's staging budget and by
+    `GET /art/v1/weights`."""
+    with worker_state(self).weights_lock:
+        _model, entries, pinned = staging_layout(self)
+        held = worker_state(self).held_base
+        modules: dict[int, tuple] = {}
+        for e in entries:
+            modules.setdefault(id(e.module), (e.module, {}))[1][e.name] = e.spec
+        chosen = {k: shard_forms.plain_copy_applies(m, specs) for k, (m, specs) in modules.items()}
+        return {
+            "rank": compat.worker_rank(self),
+            "staging": "pinned host" if pinned else "host",
+            "shard_bytes": shard_stage.layout_bytes(entries),
+            "held_bytes": 0 if held is None else held.nbytes,
+            "commit": shard_commit.describe(
+                {
+                    k: (shard_commit.COPY if ok else shard_commit.REBUILD, why)
+                    for k, (ok, why) in chosen.items()
+                }
+            ),
+        }
 
 
 def art_rollback_base_update(self, token: str) -> dict:

@@ -14,7 +14,8 @@ bytes, and the stream's digest at the end, which the worker checks against what 
 
 Two users:
 - ART's staged update (`worker/base_weights.stage` of a plan): the engine's target is a sink
-  that keeps the tensors in host memory; the commit writes them in place between two steps.
+  that keeps this worker's shard of each tensor in host memory (`worker/shard_stage.py`); the
+  commit writes it in place between two steps.
 - vLLM's own routes (`/start_weight_update`, `/update_weights`, `/finish_weight_update`):
   layerwise reload straight into the model, as vLLM's NCCL engine does (no staging, no
   per-token versions: that is what ART's route adds).

@@ -44,17 +44,20 @@ class StagedBase:
     tensors: dict | None = None  # HF name -> tensor, once staged
     error: str | None = None
     streamed: bool = False  # came as a stream (no files to read it again from)
+    #: A stream's stage: this worker's shard (`shard_stage.ShardStage`), committed by
+    #: `shard_commit`; None for files (read whole, written through vLLM's layerwise reload).
+    shard: Any = None
 
 
 @dataclass
 class BaseUndo:
     """What a full-weight commit replaced: where the previous weights can be read again
-    (`held`: the host tensors of a streamed version, else `previous_dir`, else None: the
-    served model's own files) and the worker's label before it."""
+    (`held`: the shard of a streamed version, `shard_stage.ShardStage`, else `previous_dir`,
+    else None: the served model's own files) and the worker's label before it."""
 
     previous_dir: str | None
     label: str | None
-    held: dict | None = None
+    held: Any = None
 
 
 @dataclass
@@ -64,9 +67,11 @@ class WorkerState:
     #: Full-weight updates staged, and the undo of those committed and not final (by token).
     staged_base: dict[str, StagedBase] = field(default_factory=dict)
     undo_base: dict[str, BaseUndo] = field(default_factory=dict)
-    #: The current base version's tensors when it came as a stream (its only copy to revert
-    #: to); None when it can be read from files.
-    held_base: dict | None = None
+    #: The current base version's shard when it came as a stream (its only copy to revert
+    #: to, `shard_stage.ShardStage`); None when it can be read from files.
+    held_base: Any = None
+    #: This worker's parameters in their loaded form (`shard_stage.layout`), made once.
+    shard_layout: Any = None
     #: Test-only fault armed by `art_test_inject_fault` ("commit" or "stage").
     fault: str | None = None
     #: Each updated slot's committed LoRAModel (by LoRA id): what vLLM's loader returns.

@@ -151,3 +151,25 @@ def test_cpu_layout_flag_refuses_unknown_modes(parsed):
     assert result["rc"] != 0
     err = result["err"]
     assert "--art-cpu-layout" in err and "invalid choice: 'sometimes'" in err
+
+
+def _art_parser():
+    import argparse
+
+    from art_vllm_plugin import cli
+
+    parser = argparse.ArgumentParser(prog="vllm serve")
+    cli.add_art_options(parser)
+    return parser
+
+
+def test_weights_staging_budget_is_bytes_and_gpu_staging_is_refused_by_name(capsys):
+    args = _art_parser().parse_args(["--art-weights-staging-bytes", "3MiB"])
+    assert (args.art_weights_staging, args.art_weights_staging_bytes) == ("host", 3 * 1024**2)
+    with pytest.raises(SystemExit):
+        _art_parser().parse_args(["--art-weights-staging", "gpu"])
+    err = capsys.readouterr().err
+    assert "--art-weights-staging gpu" in err and "not built" in err
+    with pytest.raises(SystemExit):
+        _art_parser().parse_args(["--art-weights-staging-bytes", "lots"])
+    assert "--art-weights-staging-bytes" in capsys.readouterr().err

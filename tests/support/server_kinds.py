@@ -155,10 +155,25 @@ def _tp2_slots(p: KindPaths) -> dict[str, Path]:
     return _starts(p.start, p.tiny_adapters, {"policy": "a", "ref_b": "b"})
 
 
+def staging_budget(model: Path) -> int:
+    """`--art-weights-staging-bytes` of the tp kinds: 3/4 of the model in float32, so a worker of
+    `-tp 2` fits one streamed version's shard (about half the model) and refuses a second one
+    beside the held undo (507; test_shard_staging checks both)."""
+    import math
+
+    from safetensors import safe_open
+
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        numel = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+    return numel * 4 * 3 // 4
+
+
 def tp_config(p: KindPaths, tp: int, log_path: Path | None = None):
     """`-tp N` on the tiny model, float32: bf16 sums split over two ranks round differently
     and greedy tokens drift apart after a few dozen tokens; float32 keeps the sharded sums
-    equal to the whole (test_tensor_parallel compares -tp 2 with -tp 1)."""
+    equal to the whole (test_tensor_parallel compares -tp 2 with -tp 1). The art_gloo
+    weight-transfer engine and a staging budget for test_shard_staging (the last module on
+    it: it streams full weights to the two workers, each of which stages only its shard)."""
     from art_vllm_plugin.serve_process import tiny_lora_args
 
     env = {"VLLM_SERVER_DEV_MODE": "1", "ART_TEST_HOOKS": "1"}
@@ -169,6 +184,8 @@ def tp_config(p: KindPaths, tp: int, log_path: Path | None = None):
         (
             *tiny_lora_args(max_loras=2),
             *("--tensor-parallel-size", str(tp), "--dtype", "float32"),
+            *("--weight-transfer-config", '{"backend": "art_gloo"}'),
+            *("--art-weights-staging-bytes", str(staging_budget(p.tiny_model))),
             *_modules(_tp2_slots(p)),
             *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
             *OPEN,

@@ -59,14 +59,29 @@ class _Engine:
         self.received.set()
 
 
+class _Model(torch.nn.Module):
+    """One parameter `w`, loaded as a vLLM model loads (the worker stages its shard by running
+    `load_weights` on a shadow of the model: `worker/shard_stage.py`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            getattr(self, name).data.copy_(tensor)
+        return {name for name, _ in weights}
+
+
 def _worker(workers_per_engine: int) -> SimpleNamespace:
     parallel = SimpleNamespace(world_size=workers_per_engine)
     config = SimpleNamespace(model_config=None, parallel_config=parallel)
+    model = _Model()
     return SimpleNamespace(
         rank=0,
         device=torch.device("cpu"),
         weight_transfer_engine=_Engine(),
-        model_runner=SimpleNamespace(vllm_config=config),
+        model_runner=SimpleNamespace(vllm_config=config, get_model=lambda: model),
     )
 
 
@@ -112,7 +127,7 @@ def test_an_engine_of_several_workers_receives_between_steps(tmp_path, device_ca
     # received on the step's own thread, before the ride returned (so before the forward)
     assert worker.weight_transfer_engine.threads == [threading.current_thread().name]
     assert staging.poll(tmp_path, [0]) == ([0], {})
-    assert list(worker_state(worker).staged_base["t1"].tensors) == ["w"]
+    assert worker_state(worker).staged_base["t1"].shard.names == {"w"}
 
 
 def test_an_engine_of_one_worker_receives_on_its_own_thread(tmp_path, device_calls):
