@@ -35,8 +35,8 @@ $(TRAIN)/.base-ready: scripts/setup_train_env.sh scripts/_steps.sh
 	touch $@
 # Light part: the project itself, editable; redone when pyproject.toml changes.
 $(SERVE)/.project-ready: $(SERVE)/.base-ready pyproject.toml
-	@echo "[serve] install art-pipeline (editable) with extras vllm,dev"
-	$(SERVE)/bin/python -m pip install -q -e ".[vllm,dev]"
+	@echo "[serve] install art-pipeline (editable) with extras vllm,dev,serve-test"
+	$(SERVE)/bin/python -m pip install -q -e ".[vllm,dev,serve-test]"
 	touch $@
 $(TRAIN)/.project-ready: $(TRAIN)/.base-ready pyproject.toml
 	@echo "[train] install art-pipeline (editable) with extras megatron,dev"
@@ -59,8 +59,8 @@ $(SERVE34)/.base-ready: scripts/setup_serve34_env.sh scripts/_steps.sh
 # The 0.34 wheel requires torchvision / torchaudio / torchcodec (CUDA builds that break a CPU
 # torch): every install that resolves vLLM brings them back, so they go again after it.
 $(SERVE34)/.project-ready: $(SERVE34)/.base-ready pyproject.toml
-	@echo "[serve34] install art-pipeline (editable) with extras vllm,dev"
-	$(SERVE34)/bin/python -m pip install -q -e ".[vllm,dev]"
+	@echo "[serve34] install art-pipeline (editable) with extras vllm,dev,serve-test"
+	$(SERVE34)/bin/python -m pip install -q -e ".[vllm,dev,serve-test]"
 	$(SERVE34)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 serve34-env: $(SERVE34)/.project-ready

@@ -1,32 +1,46 @@
-"""Refuse, at start, the vLLM executors whose ordering the plugin's labels have not been
-proven on.
+"""Refuse, at start, the vLLM executors whose ordering the plugin's labels are not exact on.
 
-Why: a token's policy label must name the weights that computed it. A slot update swaps
-weights in every worker through a `collective_rpc`; the label is exact when no forward runs
-while a swap does. The multiprocessing executor (`mp`, one ordered broadcast queue per
-worker; the serve suite's TP=2 and DP=2 servers) keeps that order. The in-process executor
-(`uni`, vLLM's default for one GPU) runs the swap on EngineCore's own thread, between two
-steps, by construction; the CPU build turns `uni` into `mp` (`platforms/cpu.py`), so here it
-is exercised as `mp`.
-Ray does not: its forwards run through the compiled graph while `collective_rpc` goes through
-`execute_method.remote`, which Ray runs concurrently (vLLM 0.32 `v1/executor/ray_executor.py`),
-so a swap can land between two layers of one forward. `external_launcher` and executor
-classes of the user's own are untested. Serving wrong labels silently is worse than not
-starting, so those are refused with the flag that fixes it.
+Why: a token's policy label must name the weights that computed it. A slot update rides the
+step's own input (`SchedulerOutput.art_rides`, `engine_core/step_rides.py`), or goes as one
+`collective_rpc` when the engine is idle; each worker runs it inside `Worker.execute_model`,
+before the forward, under the weights lock, and reads the label there (`forward_labels`). The
+label is exact by construction on an executor that hands every worker its steps and RPCs in
+the order EngineCore sent them, through `Worker.execute_model`:
+- `uni` (vLLM's default for one GPU): EngineCore's own thread; the CPU build turns it into `mp`
+  (`platforms/cpu.py`), so here it is exercised as `mp`;
+- `mp`: one broadcast queue that each worker runs in order (the serve suite's TP, DP, PP);
+- `ray` (vLLM 0.32's default Ray executor, `RayExecutorV2`, the only one from 0.34): a
+  subclass of `mp`'s executor that only places the workers on Ray actors (on other nodes the
+  queue runs over TCP) and keeps its step and RPC methods; tested with two tensor-parallel
+  workers on two Ray nodes (`tests/art_vllm_plugin/engine_core/test_ray_executor.py`).
+Any executor class is judged the same way (`compat.executors.keeps_one_ordered_queue`).
+
+Refused, naming the flag and why:
+- Ray's compiled-graph executor (`RayDistributedExecutor`, chosen only by
+  `VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0` on vLLM 0.32, gone in 0.34): its forwards call
+  `model_runner.execute_model` on the compiled graph's thread, around `Worker.execute_model`,
+  so no ride would run and no label be read, and its RPCs (`execute_method.remote`) run
+  concurrently with that thread, so a swap could land between two layers of a forward;
+- `external_launcher` (each rank is an engine of its own: a commit would land on each at its
+  own step) and executor classes that replace the step or RPC methods: untested.
+Serving wrong labels silently is worse than not starting.
 
 The check runs where vLLM turns arguments into its config (`EngineArgs.create_engine_config`),
-before anything starts: once on the argument as given (vLLM's own Ray check would otherwise
-fail first, with a message about Ray), once on the backend vLLM resolved (it picks Ray by
-itself for a multi-node world).
+before anything starts: once on the argument as given, once on the backend vLLM resolved (it
+picks Ray by itself for a multi-node world).
 """
 
 from __future__ import annotations
 
 import functools
 
+from art_vllm_plugin.compat import executors as compat_executors
+
 OPTION = "--distributed-executor-backend"
-#: The executors whose ordering keeps labels exact (see the module docstring).
-TESTED = ("mp", "uni")
+#: What vLLM 0.32 reads to pick Ray's compiled-graph executor instead of its default one.
+RAY_V2_ENV = "VLLM_USE_RAY_V2_EXECUTOR_BACKEND"
+#: The backends a user can name whose ordering keeps labels exact (see the module docstring).
+EXACT = ("mp", "uni", "ray")
 
 
 def _name(backend) -> str:
@@ -36,21 +50,38 @@ def _name(backend) -> str:
 
 
 def check_executor(backend) -> None:
-    """Raise ValueError unless `backend` (None: vLLM will choose) is a tested executor."""
-    if backend is None or (isinstance(backend, str) and backend in TESTED):
+    """Raise ValueError unless `backend` (None: vLLM will choose) runs on an executor that
+    keeps every worker's steps and RPCs in EngineCore's order (see the module docstring)."""
+    if backend is None:
+        return
+    try:
+        cls = compat_executors.executor_class(backend)
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        cls, unresolved = None, f"{type(exc).__name__}: {exc}"
+    if cls is not None and compat_executors.keeps_one_ordered_queue(cls):
         return
     name = _name(backend)
-    why = (
-        "Ray runs slot-update RPCs concurrently with the compiled-graph forward, so a batch "
-        "could compute on two policy versions"
-        if name == "ray"
-        else "its ordering of slot-update RPCs against forwards is untested"
-    )
+    if cls is None:
+        why = (
+            f"vLLM cannot resolve it to an executor ({unresolved}), so its ordering is "
+            f"unknown. Use {OPTION} mp, uni or ray"
+        )
+    elif name == "ray":
+        why = (
+            f"{RAY_V2_ENV}=0 picks Ray's compiled-graph executor ({cls.__name__}), whose "
+            "forwards bypass the worker step where slot updates are applied and labelled, and "
+            "whose RPCs run concurrently with them, so a batch could compute on two policy "
+            f"versions. Unset {RAY_V2_ENV} (vLLM's default Ray executor keeps one ordered queue)"
+        )
+    else:
+        why = (
+            f"its executor ({_name(cls)}) does not keep the workers' steps and RPCs in one "
+            f"ordered queue, or its ordering is untested. Use {OPTION} mp, uni or ray"
+        )
     raise ValueError(
         f"{OPTION} {name}: the art plugin labels every token with the policy version that "
-        f"computed it, and serves only on executors where that label is proven exact "
-        f"({', '.join(TESTED)}); {why}. Use {OPTION} mp (one host) or start without the "
-        f"plugin."
+        f"computed it, and serves only on executors where that label is exact "
+        f"({', '.join(EXACT)}); {why}, or start without the plugin."
     )
 
 

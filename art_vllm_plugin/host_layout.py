@@ -8,18 +8,27 @@ the API server sends them the adapter's bytes in the stage call instead, and the
 their own host (`engine_core/relayed_stages.py`). `remote_dp_ranks` says which engines those
 are.
 
-Refused at start, naming the flag: one engine's workers on several hosts (`--nnodes` above the
-data-parallel hosts). The engine would write a relayed stage on its own host, which the
-workers on the other hosts cannot see either. (External and hybrid load balancing are left to
-their own refusal, `api_server/state.py` `refuse_partial_data_parallel`, which names the mode.)
-
-The check runs where vLLM turns arguments into its config (`EngineArgs.create_engine_config`),
-in the API server and in a `--headless` engine process alike.
+Refused at start: one engine's workers on several hosts. The engine would write a relayed
+stage on its own host, which the workers on the other hosts cannot see either. Two ways there:
+- `--nnodes` above the data-parallel hosts (the multiprocessing executor): refused where vLLM
+  turns arguments into its config (`EngineArgs.create_engine_config`), naming the flag, in the
+  API server and in a `--headless` engine process alike;
+- vLLM's Ray executor placing workers on Ray nodes of other hosts: the config cannot tell
+  (Ray places the workers when the executor starts), so EngineCore asks every worker for its
+  host before its first step and stops there, naming the workers and hosts
+  (`engine_core/worker_hosts.py`). Ray nodes on one host share its staging directory and are
+  served (tests/art_vllm_plugin/engine_core/test_ray_executor.py).
+(External and hybrid load balancing are left to their own refusal, `api_server/state.py`
+`refuse_partial_data_parallel`, which names the mode.)
 """
 
 from __future__ import annotations
 
 import functools
+import socket
+
+#: The kernel's id of this boot: two machines (or one rebooted) never share it.
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 
 def remote_dp_ranks(parallel_config) -> set[int]:
@@ -63,3 +72,32 @@ def refuse_workers_across_hosts(create_engine_config):
         return config
 
     return create_engine_config_on_one_host
+
+
+def host_id() -> str:
+    """This host, as `hostname (boot <id>)`: processes that agree on it share the staging
+    directory (`/dev/shm` or `--art-staging-dir`); a container of its own has a host name of
+    its own, so it counts as another host even on the same machine."""
+    try:
+        with open(BOOT_ID_PATH) as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown"
+    return f"{socket.gethostname()} (boot {boot})"
+
+
+def check_worker_hosts(engine_host: str, worker_hosts: list[str]) -> None:
+    """Raise ValueError when a worker (rank = index in `worker_hosts`) runs on another host
+    than its engine (`engine_host`)."""
+    away = {rank: host for rank, host in enumerate(worker_hosts) if host != engine_host}
+    if not away:
+        return
+    workers = ", ".join(f"worker {rank} on {host}" for rank, host in sorted(away.items()))
+    raise ValueError(
+        f"one engine's workers span hosts: {workers}, the engine on {engine_host} (vLLM's Ray "
+        "executor placed them on Ray nodes of other hosts). The art plugin stages each slot "
+        "update as files on the engine's host that every worker of the engine reads, so an "
+        "engine's workers must share one host (engines on other hosts are fine: "
+        "--data-parallel-size-local with --headless). Place each engine's workers on one node "
+        "(a Ray placement group), or start without the plugin."
+    )

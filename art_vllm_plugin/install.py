@@ -85,6 +85,7 @@ def install_engine_core() -> None:
         route_rows,
         slot_updates,
         step_rides,
+        worker_hosts,
     )
 
     compat.add_all(P.SLOT_UPDATE_UTILITIES, slot_updates)
@@ -109,6 +110,9 @@ def install_engine_core() -> None:
     compat.wrap(P.BUSY_LOOP, core_pinning.layout_before_busy_loop)
     compat.wrap(P.DP_BUSY_LOOP, core_pinning.layout_before_busy_loop)
     compat.add(P.CPU_LAYOUT_UTILITY, core_pinning.art_cpu_layout)
+    # Every worker on the engine's host (Ray may place them elsewhere): asked before step one.
+    compat.wrap(P.WORKER_HOSTS_BUSY_LOOP, worker_hosts.hosts_before_busy_loop)
+    compat.wrap(P.WORKER_HOSTS_DP_BUSY_LOOP, worker_hosts.hosts_before_busy_loop)
     # --art-routes: rows of the MoE layers only, whichever runner captured them.
     compat.wrap(P.ROUTE_LAYERS_BUSY_LOOP, route_rows.layers_before_busy_loop)
     compat.wrap(P.ROUTE_LAYERS_DP_BUSY_LOOP, route_rows.layers_before_busy_loop)
@@ -145,6 +149,7 @@ def install_worker() -> None:
     from art_vllm_plugin.worker import (
         base_weights,
         forward_labels,
+        host_id,
         lora_slot_writer,
         route_layers,
         step_rides,
@@ -154,6 +159,7 @@ def install_worker() -> None:
     compat.add_all(P.WORKER_BASE_UTILITIES, base_weights)
     compat.add_all(P.WORKER_RIDE_UTILITY, step_rides)
     compat.add_all(P.WORKER_ROUTE_LAYER_IDS, route_layers)
+    compat.add_all(P.WORKER_HOST_ID, host_id)
     # `--weight-transfer-config '{"backend": "art_gloo"}'`: vLLM's factory imports the engine
     # when a worker loads its model (lazily: nothing is imported here).
     compat.register_weight_transfer_engine(

@@ -194,6 +194,24 @@ EXECUTOR_WORKERS = VllmName(
 WORKER_PROC = VllmName(
     "vllm.v1.executor.multiproc_executor", "WorkerProcHandle.proc", "attribute", "a worker's pid"
 )
+EXECUTOR_GET_CLASS = VllmName(
+    "vllm.v1.executor.abstract",
+    "Executor.get_class",
+    "method",
+    "which executor class a backend names (executor_guard)",
+)
+MULTIPROC_EXECUTOR = VllmName(
+    "vllm.v1.executor.multiproc_executor",
+    "MultiprocExecutor",
+    "class",
+    "one ordered queue for steps and RPCs: labels exact (executor_guard)",
+)
+UNIPROC_EXECUTOR = VllmName(
+    "vllm.v1.executor.uniproc_executor",
+    "UniProcExecutor",
+    "class",
+    "steps and RPCs on EngineCore's own thread: labels exact",
+)
 
 # --- workers: LoRA managers and the V1 runner ---------------------------------------------
 WORKER_RANK = VllmName(

@@ -335,7 +335,8 @@ EXECUTOR_GUARD = VllmPatch(
     "vllm.engine.arg_utils",
     "EngineArgs.create_engine_config",
     by="executor_guard.refuse_untested_executor",
-    why="refuses executors whose RPC/forward ordering the labels are not proven on (Ray)",
+    why="refuses executors that do not keep steps and RPCs in one ordered queue (Ray's "
+    "compiled graph)",
 )
 HOST_LAYOUT_GUARD = VllmPatch(
     "vllm.engine.arg_utils",
@@ -348,6 +349,27 @@ EXPERT_LAYOUT_GUARD = VllmPatch(
     "EngineArgs.create_engine_config",
     by="expert_layout.refuse_experts_across_engines",
     why="refuses MoE models over several DP engines (experts of two versions under one label)",
+)
+
+# -- every worker of an engine on its host (engine_core/worker_hosts.py) -------------------
+WORKER_HOSTS_BUSY_LOOP = VllmPatch(
+    _ENGINE,
+    "EngineCoreProc.run_busy_loop",
+    by="engine_core.worker_hosts.hosts_before_busy_loop",
+    why="stops an engine whose Ray workers sit on other hosts (they could not see their stage)",
+)
+WORKER_HOSTS_DP_BUSY_LOOP = VllmPatch(
+    _ENGINE,
+    "DPEngineCoreProc.run_busy_loop",
+    by="engine_core.worker_hosts.hosts_before_busy_loop",
+    why="the same for data-parallel engines (which define their own busy loop)",
+)
+WORKER_HOST_ID = adds(
+    "vllm.v1.worker.worker_base",
+    "WorkerBase",
+    ("art_host_id",),
+    by="worker.host_id",
+    why="collective_rpc target: the worker's host, checked against its engine's at start",
 )
 
 # -- route rows: the MoE layers only, on every runner (engine_core/route_rows.py) ----------

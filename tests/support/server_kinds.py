@@ -256,6 +256,61 @@ def _pp2(p: KindPaths):
     )
 
 
+# -- ray_tp2: vLLM's Ray executor, two tensor-parallel workers on two Ray nodes ----------------
+# Its own kind, not folded into tp2: the executor is the subject (issue 36, item 6: labels
+# exact under Ray, whose queue reaches a worker on another node over TCP), and the server
+# needs a Ray cluster beside it. One server covers both Ray layouts the issue names: TP=2
+# under Ray, and an engine whose workers sit on two Ray nodes (each node has one worker place,
+# so the executor must spread them; tests/support/ray_cluster.py). float32 so Hugging Face's
+# greedy tokens are the reference of the full-weight check; one module uses it
+# (test_ray_executor), and it changes the base weights.
+_RAY_CLUSTERS: dict[Path, object] = {}
+
+
+def _ray_tp2_slots(p: KindPaths) -> dict[str, Path]:
+    return _starts(p.start, p.tiny_adapters, {"policy": "a", "ref_b": "b"})
+
+
+def _ray_tp2(p: KindPaths):
+    from art_vllm_plugin.serve_process import tiny_lora_args
+    from support import ray_cluster
+
+    _ray_tp2_stop(p)  # a restart after the server died starts a fresh cluster
+    env = ray_cluster.server_env(
+        {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "ART_TEST_HOOKS": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": _two_cpus(),
+        }
+    )
+    cluster = _RAY_CLUSTERS[p.root] = ray_cluster.start(env, nodes=2)
+    return _config(
+        p.tiny_model,
+        (
+            *tiny_lora_args(max_loras=2),
+            *("--distributed-executor-backend", "ray", "--tensor-parallel-size", "2"),
+            *("--dtype", "float32"),
+            *_modules(_ray_tp2_slots(p)),
+            *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
+            *OPEN,
+        ),
+        {**env, "RAY_ADDRESS": cluster.address},
+        plugin=False,  # VLLM_PLUGINS names art and the test platform (ray_cluster.server_env)
+        unset_env=(),
+    )
+
+
+def ray_cluster_of(shared):
+    """The local Ray cluster under a running `ray_tp2` server (a `support.ray_cluster.LocalRay`)."""
+    return _RAY_CLUSTERS[shared.paths.root]
+
+
+def _ray_tp2_stop(p: KindPaths) -> None:
+    cluster = _RAY_CLUSTERS.pop(p.root, None)
+    if cluster is not None:
+        cluster.stop()
+
+
 # -- moe_routes: the tiny Qwen3-MoE with --art-routes, no LoRA ----------------------------------
 #: The route response size limit the MoE server runs with (test_route_serving checks the 413).
 ROUTES_MAX_BYTES = 16384
@@ -310,6 +365,13 @@ KINDS: dict[str, Kind] = {
         ),
         Kind("dp2", "--data-parallel-size 2, float32, fault hook, dev mode", _dp2, _dp2_slots),
         Kind("pp2", "--pipeline-parallel-size 2, float32, fault hook, dev mode", _pp2, _pp2_slots),
+        Kind(
+            "ray_tp2",
+            "Ray executor, --tensor-parallel-size 2 on two local Ray nodes, float32, fault hook",
+            _ray_tp2,
+            _ray_tp2_slots,
+            after_stop=_ray_tp2_stop,
+        ),
         Kind("moe_routes", "tiny Qwen3-MoE, --art-routes, no LoRA", _moe_routes, lambda p: {}),
     )
 }

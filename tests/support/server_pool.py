@@ -66,6 +66,8 @@ class Kind:
     maps each updatable slot to its start adapter (inside an allowed adapter root: the
     hand-over re-publishes it). `api_key` is sent on every hand-over request.
     `modules_dir` is where modules put their own adapters (inside an allowed root).
+    `after_stop` ends what `config` started beside the server (the Ray kind's local cluster),
+    once the server has stopped or failed to start.
     """
 
     name: str
@@ -74,6 +76,7 @@ class Kind:
     slots: Callable[[KindPaths], dict[str, Path]]
     api_key: str | None = None
     modules_dir: Callable[[KindPaths], Path] = lambda p: p.root / "modules"
+    after_stop: Callable[[KindPaths], None] | None = None
 
     @property
     def fixture(self) -> str:
@@ -196,6 +199,7 @@ class ServerPool:
         except Exception as exc:
             self.failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
             self.say(f"[servers] {name}: failed to start; its modules fail without trying again")
+            self._after_stop(name)
             raise
         took = time.monotonic() - t0
         self.say(
@@ -220,12 +224,18 @@ class ServerPool:
         if live is None:
             return
         code = live.process.stop()
+        self._after_stop(name)
         alive = time.monotonic() - live.started_at
         self.summary.append((name, live.start_s, alive, len(live.modules)))
         self.say(
             f"[servers] {name}: stopped {why} (exit {code}; served {len(live.modules)} "
             f"module(s) for {alive:.0f} s)"
         )
+
+    def _after_stop(self, name: str) -> None:
+        kind = self.kinds[name]
+        if kind.after_stop is not None:
+            kind.after_stop(self.paths(name))
 
     def stop_all(self, why: str) -> None:
         for name in list(self.live):
