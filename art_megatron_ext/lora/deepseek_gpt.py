@@ -36,7 +36,6 @@ def build_deepseek_gpt(
     stream needs expert-TP 1 for grouped experts)."""
     import dataclasses
 
-    import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -46,6 +45,12 @@ def build_deepseek_gpt(
 
     from .hf_moe_weights import _sequence_parallel_norms, _with_grouped_experts
     from .mla_core_attention import SdpaCoreAttention
+    from .tiny_gpt import (
+        gated_rmsnorm_settings,
+        local_cpu_settings,
+        moe_layer_settings,
+        moe_router_settings,
+    )
 
     tp = config_overrides.setdefault(
         "tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()
@@ -78,27 +83,9 @@ def build_deepseek_gpt(
         mscale=yarn.mscale if yarn else 1.0,
         mscale_all_dim=yarn.mscale_all_dim if yarn else 0.0,
         qk_layernorm=True,  # the local spec builds q_a / kv_a layernorms only with it
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        normalization="RMSNorm",
-        layernorm_epsilon=shape.rms_norm_eps,
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        num_moe_experts=shape.num_experts,
-        moe_layer_freq=[
-            0 if i in shape.dense_layers else 1 for i in range(shape.num_hidden_layers)
-        ],
-        moe_ffn_hidden_size=shape.moe_intermediate_size,
+        **gated_rmsnorm_settings(shape.rms_norm_eps),
+        **local_cpu_settings(params_dtype),
+        **moe_layer_settings(shape),
         moe_shared_expert_intermediate_size=(
             shape.moe_intermediate_size * shape.n_shared_experts or None
         ),
@@ -108,10 +95,7 @@ def build_deepseek_gpt(
         moe_router_topk_scaling_factor=shape.routed_scaling_factor,
         moe_router_num_groups=shape.n_group if grouped else None,
         moe_router_group_topk=shape.topk_group if grouped else None,
-        moe_router_dtype="fp32",
-        moe_aux_loss_coeff=0.0,
-        moe_router_load_balancing_type="none",
-        moe_token_dispatcher_type="alltoall",
+        **moe_router_settings(),
         **config_overrides,
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")

@@ -133,11 +133,17 @@ def build_moe_gpt(
     expert-tensor parallel sizes default to the parallel state's; at TP > 1 sequence
     parallelism is on (Megatron requires it with MoE) and the norms are sequence-parallel.
     """
-    import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from .tiny_gpt import (
+        gated_rmsnorm_settings,
+        local_cpu_settings,
+        moe_layer_settings,
+        moe_router_settings,
+    )
 
     tp = config_overrides.setdefault(
         "tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()
@@ -157,34 +163,13 @@ def build_moe_gpt(
         num_query_groups=shape.num_key_value_heads,
         kv_channels=shape.head_dim,
         qk_layernorm=True,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        normalization="RMSNorm",
-        layernorm_epsilon=shape.rms_norm_eps,
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        num_moe_experts=shape.num_experts,
-        moe_layer_freq=[
-            0 if i in shape.dense_layers else 1 for i in range(shape.num_hidden_layers)
-        ],
-        moe_ffn_hidden_size=shape.moe_intermediate_size,
+        **gated_rmsnorm_settings(shape.rms_norm_eps),
+        **local_cpu_settings(params_dtype),
+        **moe_layer_settings(shape),
         moe_router_topk=shape.top_k,
         moe_router_pre_softmax=not shape.norm_topk_prob,
         moe_router_score_function="softmax",
-        moe_router_dtype="fp32",
-        moe_aux_loss_coeff=0.0,
-        moe_router_load_balancing_type="none",
-        moe_token_dispatcher_type="alltoall",
+        **moe_router_settings(),
         **config_overrides,
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")

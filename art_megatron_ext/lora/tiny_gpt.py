@@ -85,6 +85,60 @@ class GptShape:
         return rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
 
 
+def local_cpu_settings(params_dtype: torch.dtype) -> dict:
+    """`TransformerConfig` settings every model built here shares: initialised on the CPU,
+    the local spec's unfused paths (Apex/TE fusions off: CPU-safe, and exact against HF), no
+    dropout (the served model has none)."""
+    return dict(
+        use_cpu_initialization=True,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+
+
+def gated_rmsnorm_settings(eps: float) -> dict:
+    """Llama-style blocks: SiLU-gated MLPs, RMSNorm with the checkpoint's epsilon, no biases."""
+    import torch.nn.functional as F
+
+    return dict(
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=eps,
+        add_bias_linear=False,
+    )
+
+
+def moe_layer_settings(shape) -> dict:
+    """An MoE shape's experts and which layers are dense (`dense_layers`)."""
+    return dict(
+        num_moe_experts=shape.num_experts,
+        moe_layer_freq=[
+            0 if i in shape.dense_layers else 1 for i in range(shape.num_hidden_layers)
+        ],
+        moe_ffn_hidden_size=shape.moe_intermediate_size,
+    )
+
+
+def moe_router_settings() -> dict:
+    """Routing as the served model routes: in fp32, no auxiliary loss or balancing term in
+    the forward, all-to-all dispatch (runs on gloo)."""
+    return dict(
+        moe_router_dtype="fp32",
+        moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type="alltoall",
+    )
+
+
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     """RMSNorm that accepts Megatron's sequence-parallel config (torch's wrapped norm refuses
     it without Apex/TE). Normalization is per token, so sequence shards need nothing more
@@ -152,14 +206,10 @@ def build_gpt(
             num_moe_experts=num_experts,
             moe_ffn_hidden_size=shape.intermediate_size,
             moe_router_topk=2,
-            moe_router_dtype="fp32",
-            moe_aux_loss_coeff=0.0,
-            moe_router_load_balancing_type="none",
-            moe_token_dispatcher_type="alltoall",
+            **moe_router_settings(),
             expert_model_parallel_size=expert_parallel,
             moe_grouped_gemm=moe_grouped_gemm,
         )
-    import torch.nn.functional as F
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -170,27 +220,13 @@ def build_gpt(
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_key_value_heads,
         kv_channels=shape.head_dim,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        normalization="RMSNorm",
-        layernorm_epsilon=shape.rms_norm_eps,
-        add_bias_linear=False,
+        **gated_rmsnorm_settings(shape.rms_norm_eps),
         add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm,
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
-        pipeline_dtype=params_dtype,
         sequence_parallel=sequence_parallel,
-        use_cpu_initialization=True,
-        params_dtype=params_dtype,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
+        **local_cpu_settings(params_dtype),
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
