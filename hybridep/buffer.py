@@ -241,8 +241,13 @@ class Buffer:
             )
         self._check_routing(hidden, routing_map, probs)
         self._make_room(hidden.shape[0], static=budget is not None)
+        # blocking: _make_room exchanged and compared every rank's count on the host; the
+        # backend does not read them again (one host read of the counts per dispatch)
         return self.backend.preprocess(
-            routing_map, pad_multiple=pad_multiple, num_permuted_tokens=budget
+            routing_map,
+            pad_multiple=pad_multiple,
+            num_permuted_tokens=budget,
+            token_counts_checked=budget is None,
         )
 
     # -- Megatron's fused API ---------------------------------------------------------------

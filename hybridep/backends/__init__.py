@@ -8,13 +8,17 @@ the results equal the composition.
 
 Selection: `"torch"` always works (any `torch.distributed` group: gloo on CPU, NCCL on GPU).
 `"cuda"` raises `BackendUnavailable` naming the reason when it cannot run (no GPU visible,
-the module or its kernels missing); it never falls back silently. `"auto"` picks `cuda`
-when a GPU is visible and the CUDA backend says it can run on the group, else `torch`.
+a rank off sm_90, the group spanning hosts, the module or its kernels missing); it never
+falls back silently. `"auto"` picks `cuda` when the CUDA backend says it can run on the group
+(`hybridep.topology`: the facts of every rank, so every rank picks alike), else `torch`,
+logging why: a multi-node EP group or a non-sm90 GPU gets the torch backend instead of a
+failure inside the CUDA backend's constructor (inside Megatron's `init_hybrid_ep_buffer`).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -22,6 +26,9 @@ import torch
 
 from hybridep.config import HybridEPConfig
 from hybridep.handle import DispatchHandle
+from hybridep.topology import GroupTopology, gather_topology
+
+logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("auto", "torch", "cuda")
 _BACKEND_CLASSES = {
@@ -82,11 +89,15 @@ class HybridEPBackend(Protocol):
         *,
         pad_multiple: int,
         num_permuted_tokens: int | None,
+        token_counts_checked: bool = False,
     ) -> DispatchHandle:
         """Collective: all-gather bool `routing_map [T, E]`, compute the layout.
 
         `num_permuted_tokens` None = blocking (exact M, host counts, may synchronize);
         an int = static budget M (no device-to-host sync; overflow flag on drop).
+        `token_counts_checked`: the caller already exchanged every rank's T and found them
+        equal on the host in this call (`Buffer` does, before it grows): blocking mode then
+        does not read them on the host again.
         """
         ...
 
@@ -145,19 +156,22 @@ def _load(name: str) -> type:
     return cls
 
 
-def cuda_unavailable_reason(group: Any) -> str | None:
-    """Why the CUDA backend cannot run on `group` here, or None when it can."""
-    if not torch.cuda.is_available():
+def cuda_unavailable_reason(group: Any, topology: GroupTopology | None = None) -> str | None:
+    """Why the CUDA backend cannot run on `group` here, or None when it can. `topology`:
+    where the group's ranks run (default: gathered from the group, collective; without a
+    group, this process alone)."""
+    if topology is None and group is None and not torch.cuda.is_available():
         return "no CUDA device is visible (torch.cuda.is_available() is False)"
     try:
         cls = _load("cuda")
     except BackendUnavailable as exc:
         return str(exc)
-    return cls.unavailable_reason(group)
+    return cls.unavailable_reason(group, topology=topology or gather_topology(group))
 
 
-def select_backend(name: str, group: Any) -> type:
-    """The backend class for `name` ("auto", "torch" or "cuda") on `group`.
+def select_backend(name: str, group: Any, *, topology: GroupTopology | None = None) -> type:
+    """The backend class for `name` ("auto", "torch" or "cuda") on `group` (`topology`: see
+    `cuda_unavailable_reason`). "auto" logs why it takes the torch backend.
 
     Raises:
         ValueError: unknown name.
@@ -167,7 +181,7 @@ def select_backend(name: str, group: Any) -> type:
         raise ValueError(f"hybridep backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name == "torch":
         return _load("torch")
-    reason = cuda_unavailable_reason(group)
+    reason = cuda_unavailable_reason(group, topology)
     if name == "cuda":
         if reason is not None:
             raise BackendUnavailable(
@@ -175,7 +189,12 @@ def select_backend(name: str, group: Any) -> type:
                 "reference over torch.distributed) or backend='auto'."
             )
         return _load("cuda")
-    return _load("torch") if reason is not None else _load("cuda")
+    if reason is None:
+        return _load("cuda")
+    # a GPU that cannot take the CUDA kernels is worth a warning; a CPU run is not
+    log = logger.warning if torch.cuda.is_available() else logger.info
+    log("hybridep backend 'auto' uses the torch backend; the CUDA backend cannot run: %s", reason)
+    return _load("torch")
 
 
 __all__ = [

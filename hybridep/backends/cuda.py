@@ -50,7 +50,6 @@ import contextlib
 import ctypes
 import dataclasses
 import shutil
-import socket
 import weakref
 from typing import Any
 
@@ -61,6 +60,7 @@ from hybridep import build as kbuild
 from hybridep import build_hybridep_abi as abi
 from hybridep.backends import BackendUnavailable, BarrierTimeout, BufferSpec, PeerFailed
 from hybridep.handle import DispatchHandle
+from hybridep.topology import GroupTopology, cuda_topology_reason, gather_topology
 
 _ALIGN = 256
 _EPOCH_OFFSET, _TOKENS_OFFSET, _ARRIVALS_OFFSET = 0, 8, 64
@@ -153,13 +153,21 @@ class CudaBackend:
 
     @classmethod
     def unavailable_reason(
-        cls, group: Any, build_config: kbuild.BuildConfig | None = None
+        cls,
+        group: Any,
+        build_config: kbuild.BuildConfig | None = None,
+        topology: GroupTopology | None = None,
     ) -> str | None:
-        if not torch.cuda.is_available():
-            return "no CUDA device is visible (torch.cuda.is_available() is False)"
-        arch = kbuild.device_arch()
-        if arch != kbuild.SM90A:
-            return f"the GPU is {arch}; the HybridEP kernels are built for {kbuild.SM90A} only"
+        """None when the kernels can run on `group`: every rank on one host with an sm_90
+        GPU (`topology`, gathered from the group when not given: collective), and nvcc or a
+        valid cached library here."""
+        if topology is None:
+            if group is None and not torch.cuda.is_available():  # no group to ask
+                return "no CUDA device is visible (torch.cuda.is_available() is False)"
+            topology = gather_topology(group)
+        reason = cuda_topology_reason(topology)
+        if reason is not None:
+            return reason
         # A valid cached library loads without nvcc (e.g. carried to a machine without it).
         cached = kbuild.find_cached(abi.library_spec(), build_config)
         if shutil.which("nvcc") is None and cached is None:
@@ -178,9 +186,6 @@ class CudaBackend:
         self.group, self.spec = group, spec
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        hostnames: list[Any] = [None] * self.world_size
-        dist.all_gather_object(hostnames, socket.gethostname(), group=group)
-        check_single_node(hostnames)
         self.device = torch.cuda.current_device()
         self.torch_device = torch.device("cuda", self.device)
         self.lib = abi.load_library(build_config)
@@ -349,7 +354,12 @@ class CudaBackend:
 
     # -- preprocessing -------------------------------------------------------------------
     def preprocess(
-        self, routing_map: torch.Tensor, *, pad_multiple: int, num_permuted_tokens: int | None
+        self,
+        routing_map: torch.Tensor,
+        *,
+        pad_multiple: int,
+        num_permuted_tokens: int | None,
+        token_counts_checked: bool = False,
     ) -> DispatchHandle:
         self.check_status()
         world, rank, num_local = self.world_size, self.rank, self.spec.num_local_experts
@@ -370,16 +380,18 @@ class CudaBackend:
             header[_TOKENS_OFFSET:].view(torch.int64).fill_(tokens)  # a device fill
             self._view("map", map_bytes.numel()).copy_(map_bytes)
             barrier()  # every rank's map and count are in place
-            counts = torch.cat([
-                self._peer_bytes(r, "header", 8, offset=_TOKENS_OFFSET).view(torch.int64)
-                for r in range(world)
-            ])  # fmt: skip
+            static = num_permuted_tokens is not None
+            counts = None
+            if static or not token_counts_checked:  # else the caller compared them already
+                counts = torch.cat([
+                    self._peer_bytes(r, "header", 8, offset=_TOKENS_OFFSET).view(torch.int64)
+                    for r in range(world)
+                ])  # fmt: skip
             global_map = torch.cat(
                 [self._peer_bytes(r, "map", map_bytes.numel()) for r in range(world)]
             )
             barrier()  # every rank has read every map before any is overwritten
-        static = num_permuted_tokens is not None
-        if not static:  # blocking: counts are read on the host, as the torch backend does
+        if counts is not None and not static:  # blocking: counts read on the host, once
             host_counts = counts.tolist()
             self.check_status()
             if any(c != tokens for c in host_counts):
@@ -406,6 +418,7 @@ class CudaBackend:
             dense_map = positions[need3[:, :, rank].reshape(-1)]
             send_counts = tuple(need3[rank].sum(0).tolist())
             recv_counts = tuple(need3[:, :, rank].sum(1).tolist())
+            self.check_status()  # synchronized: a barrier that timed out is seen here
             num_rows = dense_map.shape[0]
             tokens_per_expert = tokens_per_expert.cpu()
             budget = int(tokens_per_expert.sum())

@@ -88,7 +88,12 @@ class TorchBackend:
         return global_map, counts.view(torch.int64).view(self.world_size)
 
     def preprocess(
-        self, routing_map: torch.Tensor, *, pad_multiple: int, num_permuted_tokens: int | None
+        self,
+        routing_map: torch.Tensor,
+        *,
+        pad_multiple: int,
+        num_permuted_tokens: int | None,
+        token_counts_checked: bool = False,
     ) -> DispatchHandle:
         num_local = self.spec.num_local_experts
         global_map, token_counts = self._all_gather_map(routing_map)
@@ -104,7 +109,9 @@ class TorchBackend:
             num_rows = global_map.shape[0] * global_map.shape[1]
             budget = num_permuted_tokens
         else:
-            if bool(uneven):  # every rank sees the same counts, so every rank raises
+            # every rank sees the same counts, so every rank raises (unless the caller
+            # compared them on the host already: not read a second time)
+            if not token_counts_checked and bool(uneven):
                 raise ValueError(
                     f"hybridep: ranks passed different token counts {token_counts.tolist()}; "
                     "every rank must dispatch the same number of tokens (pad them, e.g. "

@@ -307,6 +307,26 @@ def test_cuda_preprocess_uneven_counts_raise_on_every_rank_when_blocking(fake):
         assert isinstance(got, ValueError) and "different token counts [7, 10]" in str(got), got
 
 
+def test_blocking_preprocess_reads_no_count_again_when_the_caller_compared_them(fake):
+    """`Buffer` compares every rank's T on the host before a blocking dispatch and says so;
+    the backend then reads no peer's count (before, each blocking dispatch read them twice:
+    the Buffer's exchange and the backend's header reads)."""
+    ranks = _emulated_backends(2, fake)
+    regions = []
+    for b in ranks:
+        inner = b._peer_bytes
+        b._peer_bytes = lambda r, region, *a, inner=inner, **k: (
+            regions.append(region) or inner(r, region, *a, **k)
+        )
+    out = _run_threads([
+        (lambda b=b: b.preprocess(_routing(6, 2, b.rank), pad_multiple=1,
+                                  num_permuted_tokens=None, token_counts_checked=True))
+        for b in ranks
+    ])  # fmt: skip
+    assert not [o for o in out if isinstance(o, Exception)], out
+    assert "header" not in regions and regions.count("map") == 4
+
+
 def test_cuda_preprocess_uneven_counts_set_the_overflow_flag_with_a_budget(fake):
     ranks = _emulated_backends(2, fake)
     out = _run_threads([
