@@ -81,7 +81,14 @@ class ArtGroupedLinear(torch.nn.Module):
             self.weight[e].copy_(w.t())
 
     def forward(self, x: torch.Tensor, m_splits) -> tuple[torch.Tensor, None]:
-        return grouped_gemm(x, self.weight, m_splits, backend=self.grouped_gemm_backend), None
+        """Under `config.gradient_accumulation_fusion` the weight gradient goes into the
+        weight's fp32 `main_grad` (Megatron's DDP buffer), as Megatron's grouped experts do."""
+        fused = getattr(self.config, "gradient_accumulation_fusion", False)
+        out = grouped_gemm(
+            x, self.weight, m_splits, backend=self.grouped_gemm_backend,
+            main_grad_param=self.weight if fused else None,
+        )  # fmt: skip
+        return out, None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """Dist-checkpoint entries: `{prefix}weight` as a factory of per-expert [out, in]

@@ -168,6 +168,11 @@ class _TorchKernels:
     def wgrad(x, dy, group_end):
         return torch._grouped_mm(x.t(), dy, offs=group_end)
 
+    @staticmethod
+    def wgrad_fp32(x, dy, group_end):
+        """X_g^T dY_g in fp32 (what is added to `main_grad`): no 16-bit rounding of dW."""
+        return torch._grouped_mm(x.t().float(), dy.float(), offs=group_end)
+
 
 @functools.cache
 def _kernels(backend: str):
@@ -190,11 +195,15 @@ class GroupedGemmFunction(torch.autograd.Function):
         w: [G, K, N], contiguous or the transpose of a contiguous [G, N, K]; N % 8 == 0.
         group_end: [G] int32 cumulative row ends on x's device (last == T).
         backend: "cutlass" or "torch" (already resolved).
+        main_grad_param: None, or the weight's Parameter (its logical `[G, K', N']` top-left
+            corner of `w`) under Megatron's `gradient_accumulation_fusion`: dW is added to
+            its fp32 `main_grad` (see `_accumulate_into_main_grad`).
     """
 
     @staticmethod
-    def forward(ctx, x, w, group_end, backend):
+    def forward(ctx, x, w, group_end, backend, main_grad_param=None):
         kernels = _kernels(backend)
+        ctx.main_grad_param = main_grad_param
         transposed = not w.is_contiguous() and w.transpose(1, 2).is_contiguous()
         w_stored = w.transpose(1, 2) if transposed else w.contiguous()
         ctx.save_for_backward(x, w_stored, group_end)
@@ -209,17 +218,48 @@ class GroupedGemmFunction(torch.autograd.Function):
         kernels = _kernels(ctx.backend)
         dy = dy.contiguous()  # a broadcast gradient (from .sum()) has zero strides
         dx = dw = None
-        if ctx.transposed:
-            if ctx.needs_input_grad[0]:
-                dx = kernels.fwd(dy, w_stored, group_end)  # dY @ Wt
-            if ctx.needs_input_grad[1]:
+        param = ctx.main_grad_param
+        if ctx.needs_input_grad[1] and param is not None and hasattr(param, "main_grad"):
+            dw = _accumulate_into_main_grad(
+                kernels, param, x, dy, group_end, ctx.transposed, w_stored
+            )
+        elif ctx.needs_input_grad[1]:
+            if ctx.transposed:
                 dw = kernels.wgrad(dy, x, group_end).transpose(1, 2)  # (dY^T X)^T
-        else:
-            if ctx.needs_input_grad[0]:
-                dx = kernels.dgrad(dy, w_stored, group_end)
-            if ctx.needs_input_grad[1]:
+            else:
                 dw = kernels.wgrad(x, dy, group_end)
-        return dx, dw, None, None
+        if ctx.needs_input_grad[0]:
+            if ctx.transposed:
+                dx = kernels.fwd(dy, w_stored, group_end)  # dY @ Wt
+            else:
+                dx = kernels.dgrad(dy, w_stored, group_end)
+        return dx, dw, None, None, None
+
+
+def _accumulate_into_main_grad(kernels, param, x, dy, group_end, transposed: bool, w_stored):
+    """Megatron's gradient accumulation fusion for the grouped weight: dW (in fp32, so no
+    16-bit rounding and no 16-bit `[G, K, N]` gradient kept) is added to `param.main_grad`
+    in place and `param.grad_added_to_main_grad` is set, as Megatron's own linears do; the
+    returned gradient is then a dummy of the weight's shape (Megatron's DDP hook needs a
+    gradient to fire, and skips adding it), or None when the parameter is not under DDP.
+
+    On the CPU (the reference) dW is `_grouped_mm` on fp32 copies of X and dY. On a GPU it is
+    still the backend's 16-bit wgrad, upcast before the add (the `.grad` buffer is saved, the
+    rounding is not): an fp32-accumulating CUTLASS epilogue is the GPU-side follow-up."""
+    if x.is_cuda:
+        dw = kernels.wgrad(x, dy, group_end).float()
+    else:
+        dw = _TorchKernels.wgrad_fp32(x, dy, group_end)  # [G, K_pad, N_pad] fp32
+    if transposed:  # the weight is stored [G, N, K]: its logical dW is dW^T
+        dw = dw.transpose(1, 2)
+    main = param.main_grad
+    main.add_(dw[:, : main.shape[1], : main.shape[2]])
+    if not hasattr(param, "grad_added_to_main_grad"):
+        return None
+    param.grad_added_to_main_grad = True
+    shape = w_stored.transpose(1, 2).shape if transposed else w_stored.shape
+    make = torch.zeros if getattr(param, "zero_out_wgrad", False) else torch.empty
+    return make(shape, dtype=x.dtype, device=x.device)
 
 
 def _group_end(tokens_per_expert, groups: int, rows: int, device) -> torch.Tensor:
@@ -248,6 +288,7 @@ def grouped_gemm(
     w: torch.Tensor,
     tokens_per_expert: torch.Tensor | Sequence[int],
     backend: Backend = "auto",
+    main_grad_param: torch.nn.Parameter | None = None,
 ) -> torch.Tensor:
     """Grouped GEMM with autograd: out[rows of g] = x[rows of g] @ w[g].
 
@@ -263,6 +304,10 @@ def grouped_gemm(
             the caller already has, raises `GroupedGemmCountsError`. The torch backend does
             not check device counts (precondition).
         backend: "auto" (CUTLASS on sm_90 bf16, else torch), "cutlass" or "torch".
+        main_grad_param: the Parameter `w` is (or views) when Megatron's
+            `gradient_accumulation_fusion` is on: its weight gradient is added in fp32 to
+            `main_grad` (when the parameter has one) and `grad_added_to_main_grad` is set,
+            instead of a 16-bit `.grad` being returned.
 
     Returns:
         [T, N] in x's dtype.
@@ -286,5 +331,5 @@ def grouped_gemm(
         x = F.pad(x, (0, k_pad - k))
     if (k_pad, n_pad) != (k, n):
         w = F.pad(w, (0, n_pad - n, 0, k_pad - k))
-    out = GroupedGemmFunction.apply(x.contiguous(), w, group_end, resolved)
+    out = GroupedGemmFunction.apply(x.contiguous(), w, group_end, resolved, main_grad_param)
     return out[:, :n] if n_pad != n else out
