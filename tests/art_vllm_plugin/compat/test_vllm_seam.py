@@ -182,7 +182,12 @@ def test_every_private_vllm_name_compat_touches_is_declared():
             ):
                 used.setdefault(node.attr, f"{path.name}:{node.lineno}")
     plugin_own = {"_DECLARED", "_MAX_CHAIN"}  # the compat package's own names
-    missing = {n: where for n, where in used.items() if n not in declared | plugin_own}
+    # torch.nn.Module's own storage (shard_forms copies a layer without vLLM's help): torch's
+    # names, not vLLM's, so the vLLM checker has nothing to check them against
+    torch_module = {"_parameters", "_buffers", "_non_persistent_buffers_set"}
+    missing = {
+        n: where for n, where in used.items() if n not in declared | plugin_own | torch_module
+    }
     assert not missing, missing
 
 
