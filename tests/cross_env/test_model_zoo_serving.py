@@ -32,11 +32,8 @@ about 80 s; peak about 9 GB RSS for the three servers).
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -46,15 +43,12 @@ from support.zoo_serving import (
     PROMPTS,
     VOCAB,
     assert_same_greedy,
+    export_zoo,
     served_greedy,
 )
 
 pytestmark = pytest.mark.serve
 
-REPO = Path(__file__).resolve().parents[2]
-TRAIN_PYTHON = REPO / ".venv-train" / "bin" / "python"
-TRAIN_SIDE = REPO / "tests" / "cross_env" / "zoo_train_side.py"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 PADDED_VOCAB = 1152  # 1030 rounded up to a multiple of 128
 LORA = "zoo"
 TIED = {"qwen2.5": True, "qwen3": False, "llama3.2": True}  # the models, and which are tied
@@ -66,33 +60,7 @@ LORA_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def exported(tmp_path_factory) -> dict[str, dict]:
     """Per model: the zoo checkpoint, its export (`full`, `adapter`) and the training side's
     summary."""
-    from support.model_zoo import checkpoint
-    from support.vllm_server import tiny_paths
-
-    assert TRAIN_PYTHON.exists(), f"{TRAIN_PYTHON} missing: run `make train-env` first"
-    root = tmp_path_factory.mktemp("zoo_serving")
-    zoo = {name: checkpoint(name, root / "zoo") for name in MODELS}
-    cmd = [str(TRAIN_PYTHON), str(TRAIN_SIDE), "--out", str(root / "out")]
-    for name, path in zoo.items():
-        cmd += ["--model", f"{name}={path}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"training side failed:\n{proc.stderr[-4000:]}"
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    tiny_model, _ = tiny_paths()
-    out = {}
-    for name, ckpt in zoo.items():
-        full = root / "out" / name / "full"
-        for f in TOKENIZER_FILES:
-            if (tiny_model / f).exists():
-                shutil.copy(tiny_model / f, full / f)
-        out[name] = {
-            "zoo": ckpt,
-            "full": full,
-            "adapter": root / "out" / name / "adapter",
-            "summary": summary[name],
-            "log": root / f"vllm-{name}.log",
-        }
-    return out
+    return export_zoo(tmp_path_factory.mktemp("zoo_serving"), MODELS, adapters=True)
 
 
 def _config(model: dict):

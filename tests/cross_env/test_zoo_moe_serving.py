@@ -27,22 +27,21 @@ about 90 s (two server starts side by side).
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
-from support.zoo_serving import N_TOKENS, PROMPTS, assert_same_greedy, served_greedy
+from support.zoo_serving import (
+    N_TOKENS,
+    PROMPTS,
+    assert_same_greedy,
+    export_zoo,
+    served_greedy,
+)
 
 pytestmark = pytest.mark.serve
 
-REPO = Path(__file__).resolve().parents[2]
-TRAIN_PYTHON = REPO / ".venv-train" / "bin" / "python"
-TRAIN_SIDE = REPO / "tests" / "cross_env" / "zoo_train_side.py"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MODELS = ("deepseek-v3-mla", "qwen3-moe")
 EXTRA_ARGS = {"deepseek-v3-mla": ("--attention-backend", "CPU_MLA"), "qwen3-moe": ()}
 
@@ -50,32 +49,7 @@ EXTRA_ARGS = {"deepseek-v3-mla": ("--attention-backend", "CPU_MLA"), "qwen3-moe"
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict[str, dict]:
     """Per model: the zoo checkpoint, its stepped export and the training side's summary."""
-    from support.model_zoo import checkpoint
-    from support.vllm_server import tiny_paths
-
-    assert TRAIN_PYTHON.exists(), f"{TRAIN_PYTHON} missing: run `make train-env` first"
-    root = tmp_path_factory.mktemp("zoo_moe_serving")
-    zoo = {name: checkpoint(name, root / "zoo") for name in MODELS}
-    cmd = [str(TRAIN_PYTHON), str(TRAIN_SIDE), "--out", str(root / "out")]
-    for name, path in zoo.items():
-        cmd += ["--full-only", f"{name}={path}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"training side failed:\n{proc.stderr[-4000:]}"
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    tiny_model, _ = tiny_paths()
-    out = {}
-    for name, ckpt in zoo.items():
-        full = root / "out" / name / "full"
-        for f in TOKENIZER_FILES:
-            if (tiny_model / f).exists():
-                shutil.copy(tiny_model / f, full / f)
-        out[name] = {
-            "zoo": ckpt,
-            "full": full,
-            "summary": summary[name],
-            "log": root / f"vllm-{name}.log",
-        }
-    return out
+    return export_zoo(tmp_path_factory.mktemp("zoo_moe_serving"), MODELS, adapters=False)
 
 
 def _config(name: str, model: dict):

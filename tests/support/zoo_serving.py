@@ -5,11 +5,19 @@ and peft in `.venv-serve`). Not collected by pytest.
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import torch
 
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_PYTHON = REPO / ".venv-train" / "bin" / "python"
+TRAIN_SIDE = REPO / "tests" / "cross_env" / "zoo_train_side.py"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 VOCAB = 1030  # support.model_zoo.ZOO_VOCAB
 N_TOKENS = 16
 TIE_GAP = 1e-4
@@ -103,3 +111,37 @@ def assert_same_greedy(served: list, refs: list[Greedy], what: str) -> None:
         compared += n
     print(f"{what}: {compared} tokens equal, logprobs within {worst:.1e}")
     assert compared >= len(refs) * N_TOKENS * 3 // 4, f"{what}: too many near ties"
+
+
+def export_zoo(root: Path, names, *, adapters: bool) -> dict[str, dict]:
+    """Per zoo model `name`: its checkpoint (`zoo`), the training side's stepped export
+    (`full`, with the tiny model's tokenizer copied beside it: the zoo has none), its PEFT
+    adapter (`adapter`, when `adapters`), the training side's summary and a server log path.
+    Runs `zoo_train_side.py` once in `.venv-train` for all of them."""
+    from support.model_zoo import checkpoint
+    from support.vllm_server import tiny_paths
+
+    assert TRAIN_PYTHON.exists(), f"{TRAIN_PYTHON} missing: run `make train-env` first"
+    zoo = {name: checkpoint(name, root / "zoo") for name in names}
+    cmd = [str(TRAIN_PYTHON), str(TRAIN_SIDE), "--out", str(root / "out")]
+    for name, path in zoo.items():
+        cmd += ["--model" if adapters else "--full-only", f"{name}={path}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"training side failed:\n{proc.stderr[-4000:]}"
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    tiny_model, _ = tiny_paths()
+    out = {}
+    for name, ckpt in zoo.items():
+        full = root / "out" / name / "full"
+        for f in TOKENIZER_FILES:
+            if (tiny_model / f).exists():
+                shutil.copy(tiny_model / f, full / f)
+        out[name] = {
+            "zoo": ckpt,
+            "full": full,
+            "summary": summary[name],
+            "log": root / f"vllm-{name}.log",
+        }
+        if adapters:
+            out[name]["adapter"] = root / "out" / name / "adapter"
+    return out
