@@ -47,7 +47,9 @@ def test_shape_refuses_a_non_moe_config_naming_it(tmp_path):
     from art_megatron_ext.lora.hf_moe_weights import MoeShape
 
     (tmp_path / "config.json").write_text(json.dumps({**CFG, "model_type": "llama"}))
-    with pytest.raises(ValueError, match=r"config.json.*'llama' is not mapped by the MoE mapping"):
+    with pytest.raises(
+        ValueError, match=r"config.json.*'llama' is not mapped by the Qwen3-MoE mapping"
+    ):
         MoeShape.from_hf_config(tmp_path / "config.json")
 
 
