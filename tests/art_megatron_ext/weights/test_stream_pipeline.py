@@ -4,7 +4,7 @@ Before, `stream_hf_weights` refused `pipeline_model_parallel_size > 1`. Now each
 own tensors whole (its TP/EP gathers) and, in the sender's pipeline group, sends them to the
 sender on the first stage (`weights.stage_relay`). Checked with zoo checkpoints loaded into
 stage-split models (the loaders map global layer names onto each stage's layers): at PP=2 (and
-PP=2 x TP=2) global rank 0 hands the sink exactly the checkpoint's tensors (Llama-3.2 tied: no
+PP=2 x TP=2, Qwen3) global rank 0 hands the sink exactly the checkpoint's tensors (Llama-3.2 tied: no
 `lm_head.weight`, though its last stage holds a copy of the embedding as its output layer;
 Qwen3 untied; DeepSeek-V3 with its MoE layer on the second stage), every other rank sends
 nothing and counts its own stage's tensors; a sender on a later stage is refused on every rank
@@ -77,10 +77,10 @@ def zoo(tmp_path_factory) -> dict[str, str]:
     return {name: str(checkpoint(name, root)) for name in MODELS}
 
 
-#: layout -> (world, TP, models). At PP=2 x TP=2 (four ranks on two cores) DeepSeek-V3 alone:
-#: the model with every kind of gather (TP, expert TP, MLA's down projections), its MoE layer
-#: on the second stage.
-LAYOUTS = {"pp2": (2, 1, MODELS), "pp2xtp2": (4, 2, ("deepseek-v3",))}
+#: layout -> (world, TP, models). At PP=2 x TP=2 (four ranks on two cores) the small dense Qwen3
+#: alone: two pipeline groups, of which only the sender's relays (the other's first stage is
+#: TP rank 1 and sends nothing), each stage's TP gathers before the relay.
+LAYOUTS = {"pp2": (2, 1, MODELS), "pp2xtp2": (4, 2, ("qwen3",))}
 CASES = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names]
 
 
