@@ -3,10 +3,11 @@
 Before, `stream_hf_weights` refused `pipeline_model_parallel_size > 1`. Now each stage makes its
 own tensors whole (its TP/EP gathers) and, in the sender's pipeline group, sends them to the
 sender on the first stage (`weights.stage_relay`). Checked with zoo checkpoints loaded into
-stage-split models (the loaders map global layer names onto each stage's layers): at PP=2 (and
-PP=2 x TP=2, Qwen3) global rank 0 hands the sink exactly the checkpoint's tensors (Llama-3.2 tied: no
-`lm_head.weight`, though its last stage holds a copy of the embedding as its output layer;
-Qwen3 untied; DeepSeek-V3 with its MoE layer on the second stage), every other rank sends
+stage-split models (the loaders map global layer names onto each stage's layers): at PP=2
+(and PP=2 x TP=2, Qwen3) global rank 0 hands the sink exactly the checkpoint's tensors
+(Llama-3.2 tied: no `lm_head.weight`, though its last stage holds a copy of the embedding
+as its output layer; Qwen3 untied; DeepSeek-V3 with its MoE layer on the second stage), every
+other rank sends
 nothing and counts its own stage's tensors; a sender on a later stage is refused on every rank
 before anything moves.
 """
