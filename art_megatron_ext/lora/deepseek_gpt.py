@@ -43,7 +43,7 @@ def build_deepseek_gpt(
 
     from art_megatron_ext.compat import mla_rotary_modules, set_rotary_inv_freq
 
-    from .hf_moe_weights import _sequence_parallel_norms, _with_grouped_experts
+    from .hf_moe_weights import _sequence_parallel_norms, _with_grouped_experts, parallel_defaults
     from .mla_core_attention import SdpaCoreAttention
     from .tiny_gpt import (
         gated_rmsnorm_settings,
@@ -52,16 +52,7 @@ def build_deepseek_gpt(
         moe_router_settings,
     )
 
-    tp = config_overrides.setdefault(
-        "tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()
-    )
-    config_overrides.setdefault(
-        "expert_tensor_parallel_size", parallel_state.get_expert_tensor_parallel_world_size()
-    )
-    config_overrides.setdefault("sequence_parallel", tp > 1)
-    config_overrides.setdefault(
-        "pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size()
-    )
+    parallel_defaults(config_overrides)
     yarn = shape.yarn
     grouped = 1 < shape.topk_group < shape.n_group
     config = MLATransformerConfig(
@@ -117,7 +108,9 @@ def build_deepseek_gpt(
         post_process=parallel_state.is_pipeline_last_stage(),
         config=config,
         transformer_layer_spec=spec,
-        vocab_size=padded_vocab_size(shape.vocab_size, make_vocab_size_divisible_by, tp),
+        vocab_size=padded_vocab_size(
+            shape.vocab_size, make_vocab_size_divisible_by, config.tensor_model_parallel_size
+        ),
         max_sequence_length=max_sequence_length,
         position_embedding_type="rope",
         rotary_base=int(shape.rope_theta),

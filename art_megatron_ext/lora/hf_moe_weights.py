@@ -145,16 +145,7 @@ def build_moe_gpt(
         moe_router_settings,
     )
 
-    tp = config_overrides.setdefault(
-        "tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()
-    )
-    config_overrides.setdefault(
-        "expert_tensor_parallel_size", parallel_state.get_expert_tensor_parallel_world_size()
-    )
-    config_overrides.setdefault("sequence_parallel", tp > 1)
-    config_overrides.setdefault(
-        "pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size()
-    )
+    parallel_defaults(config_overrides)
     config = TransformerConfig(
         num_layers=shape.num_hidden_layers,
         hidden_size=shape.hidden_size,
@@ -192,6 +183,25 @@ def build_moe_gpt(
     )
     set_rope_inv_freq(model, rope_inv_freq(shape.head_dim, shape.rope_theta, None))
     return model
+
+
+def parallel_defaults(config_overrides: dict) -> None:
+    """Fill an MoE model's parallel sizes from Megatron's parallel state where the caller did
+    not set them: tensor, expert-tensor and pipeline sizes, and sequence parallelism at TP > 1
+    (Megatron requires it with MoE). Without the pipeline size every stage would build every
+    layer."""
+    from megatron.core import parallel_state as ps
+
+    tp = config_overrides.setdefault(
+        "tensor_model_parallel_size", ps.get_tensor_model_parallel_world_size()
+    )
+    config_overrides.setdefault(
+        "expert_tensor_parallel_size", ps.get_expert_tensor_parallel_world_size()
+    )
+    config_overrides.setdefault("sequence_parallel", tp > 1)
+    config_overrides.setdefault(
+        "pipeline_model_parallel_size", ps.get_pipeline_model_parallel_world_size()
+    )
 
 
 def _sequence_parallel_norms(block):

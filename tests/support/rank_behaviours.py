@@ -20,6 +20,12 @@ def rank_one_dies(rank: int, world: int, cfg: dict) -> dict:
 
 
 def rank_one_hangs(rank: int, world: int, cfg: dict) -> dict:
+    # Both ranks through a barrier first: otherwise rank 0 could return and close the gloo
+    # group while rank 1 is still connecting its mesh, and rank 1 fails ("Connection closed
+    # by peer", seen in a clean-clone run) instead of hanging.
+    import torch.distributed as dist
+
+    dist.barrier()
     if rank == 1:
         time.sleep(3600)
     return {"rank": rank}
