@@ -44,7 +44,9 @@ from support.zoo_serving import (
     VOCAB,
     assert_same_greedy,
     export_zoo,
+    load_export,
     served_greedy,
+    stop_started,
 )
 
 pytestmark = pytest.mark.serve
@@ -137,13 +139,7 @@ def served(exported):
         )
         yield out
     finally:
-        for future in starts.values():  # every server that started, also after a failure
-            try:
-                server = future.result()
-            except Exception:  # a failed start stopped itself; raised above
-                continue
-            server.stop()
-        pool.shutdown(wait=True)
+        stop_started(starts, pool)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -155,10 +151,7 @@ def test_export_has_the_checkpoints_names_and_no_padded_rows(exported, name):
     assert summary["padded_vocab"] == PADDED_VOCAB  # the padding was there to trim
     assert summary["padded_rows_zero"]  # and the step left it at 0
     want = load_file(model["zoo"] / "model.safetensors")
-    index = json.loads((model["full"] / "model.safetensors.index.json").read_text())
-    got = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        got.update(load_file(model["full"] / shard))
+    got = load_export(model["full"])
     assert sorted(got) == sorted(want)  # biases and norms there, lm_head only when untied
     assert ("lm_head.weight" in got) == (not TIED[name])
     assert {k: t.shape for k, t in got.items()} == {k: t.shape for k, t in want.items()}

@@ -26,7 +26,6 @@ about 90 s (two server starts side by side).
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,7 +36,9 @@ from support.zoo_serving import (
     PROMPTS,
     assert_same_greedy,
     export_zoo,
+    load_export,
     served_greedy,
+    stop_started,
 )
 
 pytestmark = pytest.mark.serve
@@ -103,13 +104,7 @@ def served(exported):
         print(f"references, starts and completions in {time.monotonic() - t0:.1f}s")
         yield {name: {"hf": refs[name], "vllm": tokens[name]} for name in exported}
     finally:
-        for future in starts.values():  # every server that started, also after a failure
-            try:
-                server = future.result()
-            except Exception:  # a failed start stopped itself; raised above
-                continue
-            server.stop()
-        pool.shutdown(wait=True)
+        stop_started(starts, pool)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -118,10 +113,7 @@ def test_export_has_the_checkpoints_names_and_shapes(exported, name):
 
     model = exported[name]
     want = load_file(model["zoo"] / "model.safetensors")
-    index = json.loads((model["full"] / "model.safetensors.index.json").read_text())
-    got = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        got.update(load_file(model["full"] / shard))
+    got = load_export(model["full"])
     assert {k: t.shape for k, t in got.items()} == {k: t.shape for k, t in want.items()}
     assert any(not torch.equal(got[k].float(), want[k].float()) for k in want)  # the step
     assert model["summary"]["padded_rows_zero"]

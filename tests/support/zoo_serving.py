@@ -145,3 +145,26 @@ def export_zoo(root: Path, names, *, adapters: bool) -> dict[str, dict]:
         if adapters:
             out[name]["adapter"] = root / "out" / name / "adapter"
     return out
+
+
+def load_export(full: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded export directory (`write_hf_checkpoint`'s index and shards)."""
+    from safetensors.torch import load_file
+
+    index = json.loads((full / "model.safetensors.index.json").read_text())
+    got = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        got.update(load_file(full / shard))
+    return got
+
+
+def stop_started(starts: dict, pool) -> None:
+    """Stop every server whose start (a future of `serve_process.start`) succeeded, also
+    after another one failed; then shut the start pool down."""
+    for future in starts.values():
+        try:
+            server = future.result()
+        except Exception:  # a failed start stopped itself; its error is raised by the caller
+            continue
+        server.stop()
+    pool.shutdown(wait=True)
