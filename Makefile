@@ -17,7 +17,7 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help envs serve-env serve34-env train-env tiny demo demo-serve test test-serve test-serve-v2 test-serve-v1 test-serve-tail test-serve34 test-train lint clean gpu-carry
+.PHONY: help envs test-envs serve-env serve34-env train-env tiny demo demo-serve test test-serve test-serve-v2 test-serve-v1 test-serve-tail test-serve34 test-train lint clean gpu-carry
 help:
 	@echo "make demo   - Pipeline RL end to end on the tiny model (vLLM server, Megatron trainer, rollouts)"
 	@echo "make demo-serve - serve the tiny model with --plugin art and show what the plugin does"
@@ -70,6 +70,9 @@ train-env: $(TRAIN)/.project-ready
 # 2 min instead of 4 on a fresh 2-core machine, 2026-12-04).
 envs:
 	@$(MAKE) --no-print-directory -j2 serve-env train-env
+# `make test` also needs vLLM 0.34's environment (its last lane): the three install side by side.
+test-envs:
+	@$(MAKE) --no-print-directory -j3 serve-env train-env serve34-env
 
 $(TINY)/.ready: $(SERVE)/.project-ready art_vllm_plugin/tiny_model.py
 	$(SERVE)/bin/python -m art_vllm_plugin.tiny_model --out $(TINY)
@@ -95,17 +98,16 @@ demo-serve: $(TINY)/.ready
 # TEST_PARALLEL=0 runs everything one after the other in one serve process.
 TEST_PARALLEL ?= 1
 TEST_LOGS := .cache/test-logs
-test: envs $(SERVE)/.triton-ready $(TINY)/.ready
+test: test-envs $(SERVE)/.triton-ready $(TINY)/.ready
 ifeq ($(TEST_PARALLEL),1)
 	@mkdir -p $(TEST_LOGS); rm -f $(TEST_LOGS)/*.rc; \
-	echo "[test] in the background: train side, then the serve V1 subset, then the serve tail ($(TEST_LOGS)/train.log, v1.log, tail.log), serve modules with their own servers ($(TEST_LOGS)/serve-own.log), the vLLM 0.34 subset ($(TEST_LOGS)/serve34.log); here: serve modules on shared servers"; \
+	echo "[test] in the background: train side, then the serve V1 subset, then the serve tail ($(TEST_LOGS)/train.log, v1.log, tail.log), serve modules with their own servers ($(TEST_LOGS)/serve-own.log); here: serve modules on shared servers, then the vLLM 0.34 subset ($(TEST_LOGS)/serve34.log)"; \
 	{ $(MAKE) --no-print-directory test-train > $(TEST_LOGS)/train.log 2>&1; echo $$? > $(TEST_LOGS)/train.rc; \
 	  $(MAKE) --no-print-directory test-serve-v1 > $(TEST_LOGS)/v1.log 2>&1; echo $$? > $(TEST_LOGS)/v1.rc; \
 	  $(MAKE) --no-print-directory test-serve-tail > $(TEST_LOGS)/tail.log 2>&1; echo $$? > $(TEST_LOGS)/tail.rc; } & lane=$$!; \
 	$(MAKE) --no-print-directory test-serve-v2 SERVERS=own SERVE_V2_IGNORE="$(SERVE_TAIL)" > $(TEST_LOGS)/serve-own.log 2>&1 & own=$$!; \
-	$(MAKE) --no-print-directory test-serve34 > $(TEST_LOGS)/serve34.log 2>&1 & s34=$$!; \
 	$(MAKE) --no-print-directory test-serve-v2 SERVERS=shared SERVE_V2_IGNORE="$(SERVE34_SUBSET)"; shared_rc=$$?; \
-	wait $$s34; s34_rc=$$?; \
+	$(MAKE) --no-print-directory test-serve34 > $(TEST_LOGS)/serve34.log 2>&1; s34_rc=$$?; \
 	echo "================ serve side, vLLM 0.34 subset ($(TEST_LOGS)/serve34.log) ================"; \
 	cat $(TEST_LOGS)/serve34.log; \
 	wait $$own; own_rc=$$?; \

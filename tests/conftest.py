@@ -17,7 +17,7 @@ REQUIRE_GPU_ENV = "ART_REQUIRE_GPU"
 
 #: Shared `vllm serve` processes, one per configuration (tests/support/server_pool.py);
 #: `--servers shared|own` to run one half of the serve suite (tests/support/server_split.py);
-#: the ten slowest modules at the end of a run (tests/support/module_times.py); the model
+#: the 25 slowest modules at the end of a run (tests/support/module_times.py); the model
 #: runner the servers use (tests/support/model_runner.py).
 pytest_plugins = [
     "support.server_pool",

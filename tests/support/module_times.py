@@ -1,4 +1,4 @@
-"""The ten slowest test modules of a run, printed at its end.
+"""The slowest test modules of a run (25), printed at its end.
 
 CI has a time limit and `make test` a budget (README); which modules spend it is the first
 thing to know when it grows. A module's time is the sum of its tests' set-up, call and
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-SHOWN = 10
+SHOWN = 25
 
 _seconds: dict[str, float] = defaultdict(float)
 
