@@ -24,6 +24,36 @@ trainer); the workers are ranks 1.. (engine e's worker w is `1 + e * workers_per
    not that of what it received, that repeats or leaves out a tensor, or that holds a NaN or
    an infinity.
 
+The wire of the `art_nixl` engine (`art_vllm_plugin.worker.nixl_transfer`, the wire without
+vLLM in `worker/nixl_receiver`; trainer side `art_megatron_ext.weights.nixl_sender`; records
+and keys in `art_protocol.nixl_wire`). The bytes move by NIXL, each worker READing from the
+trainer's registered memory; the trainer's `TCPStore` carries only small control records:
+
+0. at `connect`, before the join: the trainer registers `count` buffers of `bucket_bytes`
+   (GPU memory on a GPU trainer, host memory otherwise) with its NIXL agent and sets
+   `nixl_wire.METADATA_KEY` (its agent metadata) and `TRAINER_KEY` (JSON: agent name, NIXL
+   memory type `DRAM`/`VRAM`, `[address, bytes, device id]` of every buffer). Each worker,
+   in `init_transfer_engine` (`init_info`: `master_address`, `master_port`, `world_size`,
+   `timeout_s`, `stall_timeout_s`; ranks as for `art_gloo`), adds that agent and registers
+   one receive buffer of the bucket size (on its GPU where it has one);
+1. the ready handshake of `art_gloo` (step 1 above), unchanged;
+2. the trainer packs the stream's tensors back to back into a free buffer (a tensor larger
+   than the room left continues in the next bucket) and, per filled bucket `n` = 0, 1, ...,
+   sets `bucket_key(round, n)` to `{"buffer": i, "used": bytes, "entries": [[plan index,
+   start, offset, size], ...]}` (bytes `start .. start + size` of that tensor lie at
+   `offset` in the bucket). Each worker waits for it, READs the first `used` bytes of buffer
+   `i` into its own buffer, adds 1 to `pulled_key(round, n)`, and the worker whose add makes
+   it the number of workers sets `all_pulled_key(round, n)`: only then does the trainer
+   write buffer `i` again (and delete the bucket's keys);
+3. the end: `bucket_key(round, n)` = `{"end": digest}` (the digest of every tensor sent,
+   computed by the trainer from host bytes it owns), checked as in step 3 above; or, when the
+   trainer's producer failed, `{"abort": reason}`: every worker refuses the stream at once,
+   naming the reason;
+4. deadlines from progress: a worker waits `stall_timeout_s` (default 120) for each next
+   record and ends the stream naming the round and the bytes received when none comes; a
+   worker that stops before the end sets `quit_reason_key(round, rank)` and adds 1 to
+   `quit_key(round)`, and the trainer, which waits for the workers' pulls, stops too.
+
 Importable without torch or vLLM.
 """
 
@@ -40,6 +70,8 @@ from art_protocol.weights_digest import SAFETENSORS_DTYPES
 #: The backend name of the gloo engine (`vllm serve --weight-transfer-config
 #: '{"backend": "art_gloo"}'`).
 GLOO_BACKEND = "art_gloo"
+#: The backend name of the NIXL engine (`--weight-transfer-config '{"backend": "art_nixl"}'`).
+NIXL_BACKEND = "art_nixl"
 #: The store prefix of the gloo group itself (trainer and workers alike; its keys are gloo's).
 GROUP_PREFIX = "art-weights-group"
 #: `POST` here with `{"init_info": {...}}` to have every worker of every engine join the group.

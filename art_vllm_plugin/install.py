@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from art_protocol.weight_transfer import GLOO_BACKEND
+from art_protocol.weight_transfer import GLOO_BACKEND, NIXL_BACKEND
 from art_vllm_plugin import compat
 from art_vllm_plugin.compat import patches as P
 
@@ -160,10 +160,14 @@ def install_worker() -> None:
     compat.add_all(P.WORKER_RIDE_UTILITY, step_rides)
     compat.add_all(P.WORKER_ROUTE_LAYER_IDS, route_layers)
     compat.add_all(P.WORKER_HOST_ID, host_id)
-    # `--weight-transfer-config '{"backend": "art_gloo"}'`: vLLM's factory imports the engine
-    # when a worker loads its model (lazily: nothing is imported here).
+    # `--weight-transfer-config '{"backend": "art_gloo"}'` (or "art_nixl"): vLLM's factory
+    # imports the engine when a worker loads its model (lazily: nothing is imported here, and
+    # NIXL only when a trainer joins an art_nixl engine).
     compat.register_weight_transfer_engine(
         GLOO_BACKEND, "art_vllm_plugin.worker.gloo_transfer", "ArtGlooWeightTransferEngine"
+    )
+    compat.register_weight_transfer_engine(
+        NIXL_BACKEND, "art_vllm_plugin.worker.nixl_transfer", "ArtNixlWeightTransferEngine"
     )
     # Each step's output carries the label of the weights its forward ran with.
     compat.wrap(P.WORKER_FORWARD_LABEL, forward_labels.label_forwards)

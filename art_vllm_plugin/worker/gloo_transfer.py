@@ -31,10 +31,9 @@ import torch
 from art_protocol.weight_transfer import DIGEST_BYTES, END, GROUP_PREFIX, ready_key
 from art_protocol.weights_digest import WeightsDigest
 from art_vllm_plugin import compat
+from art_vllm_plugin.worker.stream_errors import StreamRefused
 
-
-class StreamRefused(ValueError):
-    """The stream does not match its plan or its digest: nothing of it may be used."""
+__all__ = ["ArtGlooWeightTransferEngine", "GlooInitInfo", "GlooUpdateInfo", "StreamRefused"]
 
 
 @dataclass
@@ -105,6 +104,18 @@ def receive_stream(group, store, rank: int, info: GlooUpdateInfo, sink) -> str:
     return got
 
 
+def transfer_rank(parallel, rank_offset: int, world_size: int) -> int:
+    """This worker's rank in the trainer's transfer group: `rank_offset + dp_index *
+    workers_per_engine + worker rank`, as vLLM's NCCL engine numbers them (the trainer is 0)."""
+    rank = rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
+    if not 0 < rank < world_size:
+        raise ValueError(
+            f"worker rank {rank} in the weight-transfer group does not fit world_size "
+            f"{world_size} (the trainer is rank 0; every worker of every engine needs a rank)"
+        )
+    return rank
+
+
 def _engine_base():
     return compat.weight_transfer_engine_base()
 
@@ -123,15 +134,7 @@ class ArtGlooWeightTransferEngine(_engine_base()):
         self.rank: int | None = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        parallel = self.parallel_config
-        rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size
-        rank += parallel.rank
-        if not 0 < rank < init_info.world_size:
-            raise ValueError(
-                f"worker rank {rank} in the weight-transfer group does not fit world_size "
-                f"{init_info.world_size} (the trainer is rank 0; every worker of every engine "
-                "needs a rank)"
-            )
+        rank = transfer_rank(self.parallel_config, init_info.rank_offset, init_info.world_size)
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
         dist = torch.distributed
         store = dist.TCPStore(
