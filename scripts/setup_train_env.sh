@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-train}
-ENV_NAME=train STEP_TOTAL=3
+ENV_NAME=train STEP_TOTAL=4
 LOG="$PWD/.cache/logs/setup-train.log"
 mkdir -p "$(dirname "$LOG")"; : >"$LOG"
 . scripts/_steps.sh
@@ -25,5 +25,14 @@ done_step
 
 step "install art-pipeline (editable) with extras megatron,dev"
 run_logged "$VENV/bin/python" -m pip install -e ".[megatron,dev]"
+done_step
+# NIXL (the art_nixl weight transfer) without its declared dependencies: the `nixl` meta
+# package requires both CUDA wheels and an unpinned torch. The backend wheel follows torch's
+# CUDA major (a CPU torch: nixl-cu12, whose UCX backend moves host memory).
+NIXL_VERSION=1.5.1
+step "install nixl==$NIXL_VERSION with the backend wheel matching torch (--no-deps)"
+NIXL_CUDA=$("$VENV/bin/python" -c "import torch; print((torch.version.cuda or '12').split('.')[0])")
+run_logged "$VENV/bin/python" -m pip install --no-deps "nixl==$NIXL_VERSION" "nixl-cu$NIXL_CUDA==$NIXL_VERSION"
+run_logged "$VENV/bin/python" -c "from nixl._api import nixl_agent"
 done_step
 echo "[train] ready: $VENV ($(du -sh "$VENV" | cut -f1))"
