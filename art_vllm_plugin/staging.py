@@ -7,7 +7,9 @@ API server writes the validated bytes to a fresh directory on a memory-backed fi
 validated is what is served, and the trainer may delete or rewrite its directory as soon as
 the update returns. Each worker loads the staged copy on a background thread and leaves a
 marker file, `ready.<rank>` or `failed.<rank>` (holding the error), that the API server
-polls without involving the engine. The directory is removed when the update ends.
+polls without involving the engine; while a full-weight update stages, each worker also keeps
+a progress record there (`progress.<rank>`, `art_vllm_plugin.stage_progress`). The directory is
+removed when the update ends.
 
 The API server and the workers of its local engines share this directory. An engine on
 another host (multi-node data parallelism) gets the bytes in its stage call and writes its own
@@ -335,9 +337,14 @@ def sweep(root: str | Path, prefix: str = PREFIX) -> list[Path]:
 def marker_dir(stage_dir: str | Path, engine: int) -> Path:
     """Where DP engine `engine`'s workers leave their markers: every engine numbers its workers
     from 0, so each engine gets a directory of its own inside the stage directory."""
-    path = Path(stage_dir) / f"markers-engine{engine}"
+    path = Path(stage_dir) / marker_dir_name(engine)
     path.mkdir(mode=0o700, exist_ok=True)
     return path
+
+
+def marker_dir_name(engine: int) -> str:
+    """The name of DP engine `engine`'s marker directory inside a stage (`marker_dir` makes it)."""
+    return f"markers-engine{engine}"
 
 
 def write_files(stage_dir: Path, files: dict[str, bytes]) -> None:

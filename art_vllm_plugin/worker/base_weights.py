@@ -4,7 +4,9 @@ two steps, put the previous weights back when told to.
 - `stage`: on the worker's staging thread (`stager`), read the update's safetensors files
   (the stage directory the API server wrote, in the served model's Hugging Face names) into
   host memory, then leave `ready.<rank>` / `failed.<rank>` in the marker directory
-  (`art_vllm_plugin.staging`). Nothing the model uses is touched.
+  (`art_vllm_plugin.staging`). Nothing the model uses is touched. Files and streams alike
+  keep a progress record there while they stage (`stage_progress`: bytes and tensors so
+  far), from which the API server's deadline is measured.
 - `stage` of a stream (the source is a transfer plan, `art_protocol.weight_transfer`): receive
   the trainer's stream through the weight-transfer engine vLLM built
   from `--weight-transfer-config`, retargeted at a sink instead of the model
@@ -53,7 +55,7 @@ import json
 
 from art_protocol.checkpoint_layout import checkpoint_files
 from art_protocol.weights_digest import WeightsDigest
-from art_vllm_plugin import compat, staging
+from art_vllm_plugin import compat, stage_progress, staging
 from art_vllm_plugin.compat import shard_forms
 from art_vllm_plugin.worker import shard_commit, shard_stage, write_probes
 from art_vllm_plugin.worker.stager import STREAM, stage_in_background
@@ -74,7 +76,13 @@ def _stage(worker, staged: StagedBase, stage_dir: str, marker_dir: str, rank: in
         if state.fault == "stage":
             state.fault = None
             raise RuntimeError(f"injected staging failure on rank {rank} (test hook)")
-        staged.tensors = dict(read_dir(stage_dir))
+        progress = stage_progress.Recorder(marker_dir, rank)
+        tensors = {}
+        for name, tensor in read_dir(stage_dir):  # a file at a time
+            tensors[name] = tensor
+            progress.add(tensor.nbytes)
+        progress.write()
+        staged.tensors = tensors
         ok, message = True, ""
     except BaseException as exc:  # reported through the marker; the worker keeps serving
         staged.error = f"{type(exc).__name__}: {exc}"
@@ -84,11 +92,14 @@ def _stage(worker, staged: StagedBase, stage_dir: str, marker_dir: str, rank: in
 
 class _ShardSink:
     """Stands in for the model as a weight-transfer engine's target: digests each checkpoint
-    tensor as it arrives, checks its values, and hands it to this worker's shard stage
-    (`shard_stage.ShardStage`), which keeps only the slice this worker's parameters hold."""
+    tensor as it arrives, checks its values, hands it to this worker's shard stage
+    (`shard_stage.ShardStage`), which keeps only the slice this worker's parameters hold, and
+    counts it in the worker's progress record (`stage_progress`: the API server's stall
+    deadline and `GET /art/v1/weights` read it), whatever engine delivers it."""
 
-    def __init__(self, stage):
+    def __init__(self, stage, progress: stage_progress.Recorder | None = None):
         self.stage = stage
+        self.progress = progress
         self.digest = WeightsDigest()
         self.problems: list[str] = []
 
@@ -105,6 +116,8 @@ class _ShardSink:
             if host.is_floating_point() and not bool(torch.isfinite(host).all()):
                 self.problems.append(f"{name}: holds NaN or infinite values")
             self.stage.load_weights([(name, tensor)])
+            if self.progress is not None:
+                self.progress.add(host.numel() * host.element_size())
         return self.stage.names
 
 
@@ -144,7 +157,8 @@ def _stage_stream(worker, staged: StagedBase, plan: dict, digest, marker_dir: st
         return
     refused = None
     try:
-        sink = _ShardSink(shard_stage.ShardStage(*staging_layout(worker)))
+        progress = stage_progress.Recorder(marker_dir, rank)
+        sink = _ShardSink(shard_stage.ShardStage(*staging_layout(worker)), progress)
         model_config = compat.worker_model_runner(worker).vllm_config.model_config
         engine.set_weight_update_target(sink, model_config)
         try:
@@ -152,6 +166,7 @@ def _stage_stream(worker, staged: StagedBase, plan: dict, digest, marker_dir: st
         finally:
             engine.reset_weight_update_target()
             sink.stage.seal()
+            progress.write()
         problems = _problems(plan, sink, digest)
         if problems:
             refused = "; ".join(problems)

@@ -17,13 +17,14 @@ records the thread it receives on); vLLM's platform is the real one, its `set_de
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from art_vllm_plugin import compat, staging
-from art_vllm_plugin.worker import step_rides
+from art_vllm_plugin import compat, stage_progress, staging
+from art_vllm_plugin.worker import base_weights, step_rides
 from art_vllm_plugin.worker.stager import STREAM, stage_in_background
 from art_vllm_plugin.worker.state import worker_state
 
@@ -137,3 +138,32 @@ def test_an_engine_of_one_worker_receives_on_its_own_thread(tmp_path, device_cal
     assert engine.received.wait(THREAD_CEILING_S)
     assert engine.threads == [f"art-{STREAM}"]
     assert (f"art-{STREAM}", worker.device) in device_calls
+
+
+def test_a_stream_stage_counts_what_arrived_in_the_workers_progress_record(tmp_path):
+    """The API server's stall deadline and `GET /art/v1/weights` read this record
+    (`stage_progress`): the sink counts each checkpoint tensor as it arrives."""
+    worker = _worker(2)
+    _stage_ride(worker, tmp_path)
+    (record,) = stage_progress.read(tmp_path).values()
+    assert (record.rank, record.bytes, record.tensors) == (0, 8, 1)  # one float32 tensor of 2
+
+
+def test_a_files_stage_counts_what_it_read_in_the_workers_progress_record(tmp_path):
+    from safetensors.torch import save_file
+
+    stage_dir, marker_dir = tmp_path / "stage", tmp_path / "markers"
+    stage_dir.mkdir()
+    marker_dir.mkdir()
+    save_file(
+        {"w": torch.ones(2), "b": torch.zeros(3, dtype=torch.bfloat16)},
+        stage_dir / "model.safetensors",
+    )
+    worker = _worker(1)
+    base_weights.stage(worker, "t1", str(stage_dir), str(marker_dir))
+    deadline = time.monotonic() + THREAD_CEILING_S
+    while staging.poll(marker_dir, [0]) == ([], {}) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert staging.poll(marker_dir, [0]) == ([0], {})
+    (record,) = stage_progress.read(marker_dir).values()
+    assert (record.bytes, record.tensors) == (2 * 4 + 3 * 2, 2)
