@@ -117,6 +117,19 @@ def _staging_bytes_arg(value: str) -> int:
         raise argparse.ArgumentTypeError(f"--art-weights-staging-bytes: {exc}") from exc
 
 
+def _stall_timeout_arg(value: str) -> float:
+    """`--art-weights-stall-timeout SECONDS`: a positive number of seconds."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"--art-weights-stall-timeout: expected a positive number of seconds, got {value!r}"
+        )
+    return seconds
+
+
 class CpuLayoutAction(argparse.Action):
     """`--art-cpu-layout {auto,off}`: exported to the EngineCore process it concerns.
 
@@ -241,6 +254,19 @@ def add_art_options(parser: argparse.ArgumentParser) -> None:
         "of the version arriving plus the current version's shard kept as the undo. A stream "
         "beyond it is refused with 507 before a byte moves. Bytes, or with KiB/MiB/GiB "
         "(default: not limited).",
+    )
+    from art_vllm_plugin.api_server.stage_deadline import DEFAULT_STALL_S
+
+    group.add_argument(
+        "--art-weights-stall-timeout",
+        type=_stall_timeout_arg,
+        dest="art_weights_stall_timeout",
+        default=DEFAULT_STALL_S,
+        metavar="SECONDS",
+        help="A full-weight update is ended (500, the old weights keep serving) once no "
+        "worker of some engine still staging it received anything for this long; one that "
+        "keeps moving bytes runs to its end, whatever its size. The error names the engine, "
+        f"the workers and the bytes received of the update's total (default {DEFAULT_STALL_S:g}).",
     )
 
 

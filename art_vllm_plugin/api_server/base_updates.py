@@ -39,6 +39,11 @@ workers' host memory while current, each worker its shard (what a revert of the 
 writes back); with `--art-weights-staging-bytes` a stream that would take some worker over
 that budget (its held shard plus the new one) is refused 507 before it is staged.
 `init_transfer` has every worker of every engine join the trainer's group first.
+
+No fixed deadline: a stage (files or stream) is ended only once no worker of some engine
+received anything for `--art-weights-stall-timeout` (`stage_deadline`), with a message naming
+the engines, worker ranks and bytes received of the total; meanwhile `GET /art/v1/weights`
+shows how far each engine got (`base_progress`).
 """
 
 from __future__ import annotations
@@ -58,12 +63,15 @@ from art_protocol.weight_transfer import TransferPlan
 from art_protocol.weight_updates import BASE_SLOT
 from art_vllm_plugin import staging
 from art_vllm_plugin.api_server import base_files, slot_publish
+from art_vllm_plugin.api_server.base_progress import RunningStage, StageProgress
 from art_vllm_plugin.api_server.paths import PathRefused
+from art_vllm_plugin.api_server.stage_deadline import DEFAULT_STALL_S, StallRule
 from art_vllm_plugin.api_server.update_coordinator import (
     UpdateCoordinator,
     UpdateError,
     check_digest,
 )
+from art_vllm_plugin.stage_progress import layout_totals
 
 logger = logging.getLogger("vllm.art_plugin.slots")
 
@@ -85,8 +93,12 @@ class BaseUpdater:
         served_dir: Path | None,
         model: str,
         staging_budget: int | None = None,
+        stall_timeout_s: float = DEFAULT_STALL_S,
     ):
         self.coordinator = coordinator
+        #: `--art-weights-stall-timeout`: a stage is ended once no worker of some engine
+        #: received anything for this long (`stage_deadline`).
+        self.stall_timeout_s = stall_timeout_s
         #: `--art-weights-staging-bytes`: host bytes each worker may hold for streamed
         #: versions (the one arriving and the held undo); None: not limited.
         self.staging_budget = staging_budget
@@ -96,15 +108,20 @@ class BaseUpdater:
         self.served_dir = served_dir
         self.model = model
         self._lock = asyncio.Lock()
+        #: The update staging now and how far it got (`GET /art/v1/weights`).
+        self.progress = StageProgress(self.engine_client, self.engines, stall_timeout_s)
 
-    async def update(self, req: UpdateRequest) -> dict:
-        """Run one update to its end, whatever happens to the client (as for slot updates)."""
-        task = asyncio.ensure_future(self._update(self._update_locked, req))
-        return await asyncio.shield(task)
+    async def update(self, req: UpdateRequest, stall_s: float | None = None) -> dict:
+        """Run one update to its end, whatever happens to the client (as for slot updates).
+        `stall_s`: this update's stall window instead of the server's (a test hook's)."""
+        run = functools.partial(self._update_locked, stall_s=stall_s)
+        return await asyncio.shield(asyncio.ensure_future(self._update(run, req)))
 
-    async def update_stream(self, req: UpdateRequest, plan: TransferPlan) -> dict:
+    async def update_stream(
+        self, req: UpdateRequest, plan: TransferPlan, stall_s: float | None = None
+    ) -> dict:
         """The same for weights the trainer streams (see the module docstring)."""
-        run = functools.partial(self._stream_locked, plan=plan)
+        run = functools.partial(self._stream_locked, plan=plan, stall_s=stall_s)
         return await asyncio.shield(asyncio.ensure_future(self._update(run, req)))
 
     async def init_transfer(self, init_info: dict) -> dict:
@@ -139,7 +156,9 @@ class BaseUpdater:
             await self.view.ensure_registered()
             return await run(req, token)
         except BaseException:
-            await self.coordinator.note_failure(token, BASE_SLOT)  # ends the reservation
+            # Ends the reservation; an engine whose workers still block in a stalled
+            # receive answers once that ends, and the caller is answered meanwhile.
+            await slot_publish.in_background(self.coordinator.note_failure(token, BASE_SLOT))
             raise
         finally:
             self.view.registry_changing()
@@ -162,7 +181,7 @@ class BaseUpdater:
                 "weight-transfer group); nothing changed",
             )
 
-    async def _update_locked(self, req: UpdateRequest, token: str) -> dict:
+    async def _update_locked(self, req: UpdateRequest, token: str, stall_s=None) -> dict:
         t0 = time.perf_counter()
         self._refuse_unsupported()
         current = self.view.base.get("version", 0)
@@ -198,7 +217,9 @@ class BaseUpdater:
                 raise UpdateError(exc.status, f"{exc}; {keeps}") from exc
             committed = False
             try:
-                result, digest = await self._check_and_publish(req, token, stage_dir, source, keeps)
+                result, digest = await self._check_and_publish(
+                    req, token, stage_dir, source, keeps, stall_s
+                )
                 committed = True
             finally:
                 if not committed:
@@ -207,7 +228,9 @@ class BaseUpdater:
                 req, token, fingerprint, current, digest, result, t0, admitted["server"]
             )
 
-    async def _stream_locked(self, req: UpdateRequest, token: str, plan: TransferPlan) -> dict:
+    async def _stream_locked(
+        self, req: UpdateRequest, token: str, plan: TransferPlan, stall_s=None
+    ) -> dict:
         t0 = time.perf_counter()
         self._refuse_unsupported(streamed=True)
         source = f"the full weights streamed in round {plan.round!r}"
@@ -242,7 +265,10 @@ class BaseUpdater:
                 raise UpdateError(exc.status, f"{exc}; {keeps}") from exc
             try:
                 calls = [_stream_call(e, token, plan, req, stage_dir) for e in self.engines]
-                result = await self._publish(req, token, stage_dir, source, keeps, calls)
+                totals = layout_totals(plan.layout())
+                result = await self._publish(
+                    req, token, stage_dir, source, keeps, calls, totals, stall_s=stall_s
+                )
             finally:
                 if remote := [e for e in self.engines if e.remote]:
                     with contextlib.suppress(Exception):  # a lost engine took its markers
@@ -291,11 +317,12 @@ class BaseUpdater:
                         f"{self.staging_budget}; nothing was sent; {keeps}",
                     )
 
-    async def _check_and_publish(self, req, token, stage_dir: Path, source: str, keeps: str):
+    async def _check_and_publish(self, req, token, stage_dir: Path, source, keeps, stall_s):
         try:
             digest = await asyncio.to_thread(
                 base_files.check_stage, stage_dir, self.served_dir, source
             )
+            totals = await asyncio.to_thread(lambda: layout_totals(read_layout(stage_dir)))
         except base_files.WeightsRefused as exc:
             raise UpdateError(422, f"{exc}; {keeps}") from exc
         check_digest(req, source, digest, keeps)
@@ -310,14 +337,23 @@ class BaseUpdater:
             )
             for e in self.engines
         ]
-        return await self._publish(req, token, stage_dir, source, keeps, calls, digest), digest
+        result = await self._publish(
+            req, token, stage_dir, source, keeps, calls, totals, digest, stall_s
+        )
+        return result, digest
 
-    async def _publish(self, req, token, stage_dir, source, keeps, calls, digest=None):
+    async def _publish(
+        self, req, token, stage_dir, source, keeps, calls, totals, digest=None, stall_s=None
+    ):
         """Stage with `calls` and commit everywhere (`slot_publish.stage_and_commit`); without
-        `digest` (a stream), the digest is what every worker reports it received."""
+        `digest` (a stream), the digest is what every worker reports it received. `totals`:
+        the update's (bytes, tensors); the stage ends when it stalls for `stall_s` (default
+        the server's `--art-weights-stall-timeout`, `stage_deadline`)."""
         check = None
         if digest is None:
             check = functools.partial(self._streamed_digest, req, token, stage_dir, source, keeps)
+        rule = StallRule(stall_s or self.stall_timeout_s, *totals)
+        self.progress.running = RunningStage(req.version, token, stage_dir, rule)
         try:
             return await slot_publish.stage_and_commit(
                 self.engine_client,
@@ -333,6 +369,7 @@ class BaseUpdater:
                 path=None if digest is None else str(stage_dir),
                 operation_id=req.operation_id,
                 check_staged=check,
+                stall=rule,
             )
         except slot_publish.PublishError as exc:
             raise await self.coordinator.publish_failed(
@@ -340,6 +377,8 @@ class BaseUpdater:
                 req,
                 "every request is refused (503) until a full-weight update commits on every engine",
             ) from exc
+        finally:
+            self.progress.running = None
 
     async def _streamed_digest(self, req, token, stage_dir, source, keeps, ranks) -> str:
         """The digest every worker of every engine reports it received: one value (else 500:

@@ -113,11 +113,31 @@ async def weights_update(request: Request):
         art.updates.failed_unattributed += 1
         return _error(exc.status, exc.message)
     try:
+        stall_s = _test_stall_window(request)
         if plan is not None:
-            return await art.base_updates.update_stream(update, plan)
-        return await art.base_updates.update(update)
+            return await art.base_updates.update_stream(update, plan, stall_s)
+        return await art.base_updates.update(update, stall_s)
     except UpdateError as exc:
         return _error(exc.status, exc.message)
+
+
+#: Test-only header of `POST /art/v1/weights/update` (honoured only with ART_TEST_HOOKS=1):
+#: this update's stall window in seconds instead of `--art-weights-stall-timeout`, so a test
+#: can make a stall end within seconds on a shared server started with the default.
+STALL_TEST_HEADER = "x-art-test-stall-timeout"
+
+
+def _test_stall_window(request: Request) -> float | None:
+    value = request.headers.get(STALL_TEST_HEADER)
+    if value is None or os.environ.get("ART_TEST_HOOKS") != "1":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise UpdateError(400, f"{STALL_TEST_HEADER}: expected a positive number, got {value!r}")
+    return seconds
 
 
 @router.post("/v1/weights/transfer/init")
@@ -142,18 +162,30 @@ async def weights_transfer_init(request: Request):
 @router.get("/v1/weights")
 async def weights(request: Request) -> dict:
     """The base weights as engine 0's registry has them: version, digest, update counts and
-    whether they are blocked; and `staging`: what a streamed version costs each worker of
+    whether they are blocked; `staging`: what a streamed version costs each worker of
     each engine (shard and held bytes, where it stages, the staging budget) and the path its
-    commit takes (modules copied, modules rebuilt, and why: `worker/shard_commit.py`)."""
+    commit takes (modules copied, modules rebuilt, and why: `worker/shard_commit.py`); and
+    `progress`: while a full-weight update stages, per engine the bytes and tensors received
+    of its total and the seconds since anything arrived (`api_server/base_progress.py`),
+    else null. While an update runs, an engine that does not answer within a second (one
+    of several workers receives a stream between steps) leaves the version and `staging` as
+    last read, with `engines_answered: false`."""
     art = request.app.state.art
-    await art.slots.refresh(force=True)
+    updates = art.base_updates
+    progress = await updates.progress.view()
+
+    async def read_engines():
+        await art.slots.refresh(force=True)
+        return await updates.staging()
+
+    answered, engines = await updates.progress.bounded(read_engines)
     base = dict(art.slots.base)
     base.pop("name", None)
     base.pop("lora_int_id", None)
-    base["staging"] = {
-        "budget_bytes": art.base_updates.staging_budget,
-        "engines": await art.base_updates.staging(),
-    }
+    base["staging"] = {"budget_bytes": updates.staging_budget, "engines": engines}
+    if not answered:  # an engine receiving a stream between steps answers once it is in
+        base["engines_answered"] = False
+    base["progress"] = progress
     return base
 
 

@@ -16,7 +16,9 @@ reaches engine 0 only, or returns only the first engine's answer):
    background thread (each engine's step loop is held for one RPC round trip). An engine
    refuses a version it committed before with another digest (409); one where another slot's
    update is between its commit and its finish answers `busy` and is asked again;
-3. wait here, off the engines, for every worker's `ready`/`failed` marker of every engine;
+3. wait here, off the engines, for every worker's `ready`/`failed` marker of every engine
+   (an adapter's stage for at most `STAGE_TIMEOUT_S`; a full-weight stage until it stalls:
+   `stage_deadline`);
 4. *commit* only if every engine prepared: one utility call per engine swaps the staged
    tensors in on all its workers (all or nothing within the engine) and records the version,
    path and digest in that engine's slot registry; if any engine fails to commit, the
@@ -34,19 +36,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from art_protocol.weight_updates import slot_named
-from art_vllm_plugin import compat, host_layout, staging
+from art_vllm_plugin import compat, host_layout, stage_progress, staging
 from art_vllm_plugin.adapters import AdapterFiles
+from art_vllm_plugin.api_server.stage_deadline import EngineSeen, StallRule, StallWatch
 
-#: How long workers may take to stage an adapter before the update is abandoned.
+#: How long workers may take to stage an adapter before the update is abandoned, and how long
+#: a stage call answered `busy` is asked again. A full-weight stage has no fixed deadline: it
+#: ends when it stalls (`stage_deadline`).
 STAGE_TIMEOUT_S = 300.0
 _POLL_S = 0.003
 #: Between marker reads of engines on other hosts (each is a utility call to the engine).
 _REMOTE_POLL_S = 0.02
+#: Between looks at the progress records while a stage call has not answered yet (an engine
+#: of several workers that was idle receives a stream inside its stage call).
+_STAGE_CALL_POLL_S = 0.05
+#: How often a progressing full-weight stage pushes back the engines' limit on an update's
+#: life (`art_renew_update`; `slot_registry.RESERVATION_TTL_S` is 900 s).
+RENEW_EVERY_S = 60.0
+#: Calls that end a stalled update (abort, finish) wait at most this long here: an engine
+#: whose workers still block in the stalled receive answers them only once it ends, and the
+#: update's caller is answered meanwhile (the calls go on in the background).
+CLEANUP_WAIT_S = 5.0
+#: Calls still running in the background (kept referenced until they end).
+_BACKGROUND: set[asyncio.Future] = set()
 
 
 class PublishError(Exception):
@@ -172,24 +190,24 @@ async def stage_and_commit(
     path: str | None,
     operation_id: str | None,
     check_staged=None,
+    stall: StallRule | None = None,
 ) -> PublishResult:
     """Steps 2-4 of the module docstring for an update already written to `stage_dir`:
     `stage_calls[i]` is the (utility, *args) that starts staging on `engines[i]`; `what` names
     the update in errors. `check_staged(ranks)`, when given, runs once every worker staged
     (`ranks[i]`: engine i's) and returns the digest to commit with, or raises `PublishError`
-    (a streamed update's digest is known only once received). What is still staged when this
-    fails is aborted; the caller owns `stage_dir`."""
+    (a streamed update's digest is known only once received). `stall`: a full-weight stage,
+    whose workers report progress: it is ended when it stalls (`stage_deadline`), not after
+    `STAGE_TIMEOUT_S`. What is still staged when this fails is aborted; the caller owns
+    `stage_dir`."""
     staged: list[Engine] = []
     committed = False
+    watch = None if stall is None else StallWatch(stall)
+    renew = None if watch is None else _Renewal(engine_client, engines, token)
     try:
         t0 = time.perf_counter()
-        deadline = time.monotonic() + STAGE_TIMEOUT_S
-        results = await asyncio.gather(
-            *(
-                stage_on(engine_client, e, deadline, *call)
-                for e, call in zip(engines, stage_calls, strict=True)
-            ),
-            return_exceptions=True,
+        results = await _stage_everywhere(
+            engine_client, engines, stage_calls, stage_dir, token, watch, renew, what, keeps
         )
         staged = [e for e, r in zip(engines, results, strict=True) if isinstance(r, dict)]
         for e, res in zip(engines, results, strict=True):
@@ -203,7 +221,9 @@ async def stage_and_commit(
                 where = f" (engine {e.dp_rank})" if kind == "staging" else ""
                 raise PublishError(status, f"{res['error']}{where}; nothing changed")
         ranks = [r["ranks"] for r in results]
-        await wait_staged(engine_client, stage_dir, engines, ranks, what, keeps, token)
+        await wait_staged(
+            engine_client, stage_dir, engines, ranks, what, keeps, token, watch, renew
+        )
         if check_staged is not None:
             digest = await check_staged(ranks)
         stage_ms = (time.perf_counter() - t0) * 1000.0
@@ -233,9 +253,110 @@ async def stage_and_commit(
         )
     finally:
         if staged and not committed:
-            # If an engine is gone, nothing staged there can be used any more anyway.
-            with contextlib.suppress(Exception):
-                await call_all(engine_client, staged, "art_abort_lora_update", token)
+            # If an engine is gone, nothing staged there can be used any more anyway. One
+            # whose workers still block in a stalled receive answers once it ends.
+            await in_background(call_all(engine_client, staged, "art_abort_lora_update", token))
+
+
+def cleanup_pending() -> bool:
+    """Whether some call of an update that ended still waits on an engine (one whose workers
+    block in a stalled receive answers nothing until it ends)."""
+    return any(not task.done() for task in _BACKGROUND)
+
+
+async def in_background(call, wait_s: float = CLEANUP_WAIT_S) -> None:
+    """Await `call` for at most `wait_s`; past that it goes on in the background (kept
+    referenced until it ends). Its outcome is not needed: cleanup of an update that ended."""
+    task = asyncio.ensure_future(call)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    with contextlib.suppress(Exception):  # a timeout included
+        await asyncio.wait_for(asyncio.shield(task), wait_s)
+
+
+def stall_error(stalled: str, what: str, keeps: str) -> PublishError:
+    return PublishError(
+        500, f"staging {what} stalled: {stalled}; every engine aborted the update; {keeps}"
+    )
+
+
+class _Renewal:
+    """Pushes back the engines' limit on the update's life (`art_renew_update`) every
+    `RENEW_EVERY_S` while its stage progresses; one call in flight at a time (an engine
+    whose workers receive between steps answers only once they are done)."""
+
+    def __init__(self, engine_client, engines: list[Engine], token: str):
+        self.engine_client, self.engines, self.token = engine_client, engines, token
+        self.at = time.monotonic()
+        self.task: asyncio.Future | None = None
+
+    def progressed(self) -> None:
+        now = time.monotonic()
+        if now - self.at < RENEW_EVERY_S or (self.task is not None and not self.task.done()):
+            return
+        self.at = now
+        self.task = asyncio.ensure_future(
+            call_all(self.engine_client, self.engines, "art_renew_update", self.token)
+        )
+        _BACKGROUND.add(self.task)
+        self.task.add_done_callback(_BACKGROUND.discard)
+
+
+async def _stage_everywhere(
+    engine_client, engines, stage_calls, stage_dir, token, watch, renew, what, keeps
+) -> list:
+    """Every engine's answer to its stage call (an exception returned, not raised). With a
+    `watch`, a stall is looked for meanwhile: an engine of several workers that was idle
+    receives a stream inside its stage call. A stalled one is answered with the stall (its
+    call goes on; what it stages then is aborted once it answers)."""
+    deadline = time.monotonic() + STAGE_TIMEOUT_S  # for `busy` answers
+    task = asyncio.ensure_future(
+        asyncio.gather(
+            *(
+                stage_on(engine_client, e, deadline, *call)
+                for e, call in zip(engines, stage_calls, strict=True)
+            ),
+            return_exceptions=True,
+        )
+    )
+    if watch is None:
+        return await task
+    local = [e for e in engines if not e.remote]  # a remote one's markers are on its host
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_STAGE_CALL_POLL_S)
+        if done:
+            return task.result()
+        seen = await asyncio.to_thread(_look_before_answer, stage_dir, local)
+        if (stalled := watch.stalled(seen)) is not None:
+            task.add_done_callback(functools.partial(_abort_late, engine_client, engines, token))
+            _BACKGROUND.add(task)
+            task.add_done_callback(_BACKGROUND.discard)
+            raise stall_error(stalled, what, keeps)
+        renew.progressed()
+
+
+def _look_before_answer(stage_dir, engines: list[Engine]) -> list[EngineSeen]:
+    """What each local engine's workers show before its stage call answered: the ranks with
+    a progress record and no marker yet are the ones staging (none yet: unknown)."""
+    seen = []
+    for engine in engines:
+        markers = staging.marker_dir(stage_dir, engine.dp_rank)
+        progress = stage_progress.read(markers)
+        ready, failed = staging.poll(markers, sorted(progress))
+        waiting = [r for r in sorted(progress) if r not in ready and r not in failed]
+        seen.append(EngineSeen(engine.dp_rank, waiting if progress else None, progress))
+    return seen
+
+
+def _abort_late(engine_client, engines, token, task: asyncio.Future) -> None:
+    """Once the stage calls of a stalled update answered: abort it where it staged."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    ok = [e for e, r in zip(engines, task.result(), strict=True) if isinstance(r, dict) and r["ok"]]
+    if ok:
+        late = asyncio.ensure_future(call_all(engine_client, ok, "art_abort_lora_update", token))
+        _BACKGROUND.add(late)
+        late.add_done_callback(_BACKGROUND.discard)
 
 
 async def settle_commits(engine_client, engines, results, token, slot, version, keeps) -> None:
@@ -320,25 +441,35 @@ def _write_stage(
     )
 
 
-def _poll_local(stage_dir, pending) -> list[tuple[list[int], dict[int, str]] | None]:
-    """Each pending local engine's (ranks ready, {rank: error}) from its marker directory."""
-    return [
-        None if engine.remote else staging.poll(staging.marker_dir(stage_dir, engine.dp_rank), r)
-        for engine, r in pending
-    ]
+def _poll_local(stage_dir, pending, progress: bool) -> list[tuple | None]:
+    """Each pending local engine's (ranks ready, {rank: error}, {rank: progress record}) from
+    its marker directory; records only when `progress` is asked for."""
+    out = []
+    for engine, ranks in pending:
+        if engine.remote:
+            out.append(None)
+            continue
+        markers = staging.marker_dir(stage_dir, engine.dp_rank)
+        records = stage_progress.read(markers, ranks) if progress else {}
+        out.append((*staging.poll(markers, ranks), records))
+    return out
 
 
-async def _poll_all(engine_client, stage_dir, pending, token: str) -> list:
+async def _poll_all(engine_client, stage_dir, pending, token: str, progress: bool) -> list:
     """Markers of local engines are files here: read on a thread, never with the event
-    loop's time. A remote engine reads its own (`art_stage_markers`), at most every
-    `_REMOTE_POLL_S` (each read is a utility call on its busy loop)."""
-    polled = await asyncio.to_thread(_poll_local, stage_dir, pending)
+    loop's time. A remote engine reads its own (`art_stage_markers`, `art_stage_progress`),
+    at most every `_REMOTE_POLL_S` (each read is a utility call on its busy loop)."""
+    polled = await asyncio.to_thread(_poll_local, stage_dir, pending, progress)
     for i, (engine, engine_ranks) in enumerate(pending):
         if engine.remote:
             ready, failed = await call(
                 engine_client, engine, "art_stage_markers", token, engine_ranks
             )
-            polled[i] = (ready, {int(k): v for k, v in failed.items()})
+            records = {}
+            if progress:
+                answer = await call(engine_client, engine, "art_stage_progress", token)
+                records = stage_progress.records_of(answer)
+            polled[i] = (ready, {int(k): v for k, v in failed.items()}, records)
     return polled
 
 
@@ -350,15 +481,20 @@ async def wait_staged(
     what: str,
     keeps: str,
     token: str,
+    watch: StallWatch | None = None,
+    renew: _Renewal | None = None,
 ) -> None:
     """Until every worker of every engine left its marker: a worker that refused the update
-    (`adapter` kind) is 422 naming `what` was staged, any other failure 500."""
+    (`adapter` kind) is 422 naming `what` was staged, any other failure 500. Without a
+    `watch` the workers have `STAGE_TIMEOUT_S`; with one (a full-weight stage), until no
+    worker of some engine still staging received anything for the watch's stall window, and
+    `renew` pushes back the engines' limit on the update's life meanwhile."""
     deadline = time.monotonic() + STAGE_TIMEOUT_S
     pending = list(zip(engines, ranks, strict=True))
     while pending:
-        still = []
-        polled = await _poll_all(engine_client, stage_dir, pending, token)
-        for (engine, engine_ranks), (ready, failed) in zip(pending, polled, strict=True):
+        still, seen = [], []
+        polled = await _poll_all(engine_client, stage_dir, pending, token, watch is not None)
+        for (engine, engine_ranks), (ready, failed, records) in zip(pending, polled, strict=True):
             if failed:
                 rank, text = sorted(failed.items())[0]
                 kind, _, error = text.partition("\n")
@@ -371,10 +507,17 @@ async def wait_staged(
                 )
             if len(ready) < len(engine_ranks):
                 still.append((engine, engine_ranks))
+                waiting = [r for r in engine_ranks if r not in ready]
+                seen.append(EngineSeen(engine.dp_rank, waiting, records))
         pending = still
         if not pending:
             return
-        if time.monotonic() > deadline:
+        if watch is not None:
+            if (stalled := watch.stalled(seen)) is not None:
+                raise stall_error(stalled, what, keeps)
+            if renew is not None:
+                renew.progressed()
+        elif time.monotonic() > deadline:
             late = {e.dp_rank: r for e, r in pending}
             raise PublishError(
                 500,

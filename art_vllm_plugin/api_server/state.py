@@ -30,6 +30,7 @@ from art_vllm_plugin.api_server.metrics_feed import FEED
 from art_vllm_plugin.api_server.paths import PathPolicy
 from art_vllm_plugin.api_server.pushed_copies import PushedCopies
 from art_vllm_plugin.api_server.slot_view import Slot, SlotView
+from art_vllm_plugin.api_server.stage_deadline import DEFAULT_STALL_S
 from art_vllm_plugin.api_server.update_coordinator import UpdateCoordinator
 from art_vllm_plugin.compat import figures as vllm_figures
 from art_vllm_plugin.features import ServerFacts
@@ -121,6 +122,7 @@ class ApiServerState:
                 served_checkpoint(model),
                 model,
                 staging_budget=getattr(args, "art_weights_staging_bytes", None),
+                stall_timeout_s=getattr(args, "art_weights_stall_timeout", None) or DEFAULT_STALL_S,
             ),
             api_key_digests=configured_keys(getattr(args, "api_key", None)),
             allow_unauthenticated=bool(getattr(args, "art_allow_unauthenticated", False)),

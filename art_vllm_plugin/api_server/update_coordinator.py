@@ -53,7 +53,11 @@ from art_vllm_plugin.api_server.pushed_copies import PushedCopies
 from art_vllm_plugin.api_server.slot_view import SlotView
 
 logger = logging.getLogger("vllm.art_plugin.slots")
-#: How long an update waits for another API server's update to end before giving up (503).
+#: How long an update waits for another API server's update to end before giving up (503):
+#: a LoRA update's stage ends within `STAGE_TIMEOUT_S`. A full-weight stage has no fixed end
+#: while it progresses (`stage_deadline`), and renews its reservation meanwhile
+#: (`slot_publish.RENEW_EVERY_S`): an update waiting behind it waits on while the reservation
+#: was renewed within this long (engine 0 says since when: `held_s`).
 RESERVE_WAIT_S = slot_publish.STAGE_TIMEOUT_S + 60.0
 _RESERVE_POLL_S = 0.01
 
@@ -185,7 +189,7 @@ class UpdateCoordinator:
                 ) from exc
             if res["ok"] or res["kind"] != "busy":
                 return res
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and res.get("held_s", RESERVE_WAIT_S) >= RESERVE_WAIT_S:
                 raise UpdateError(
                     503, f"{res['error']} for more than {RESERVE_WAIT_S:.0f} s; nothing changed"
                 )

@@ -139,11 +139,18 @@ SLOT_UPDATE_UTILITIES = adds(
 BASE_UPDATE_UTILITIES = adds(
     _ENGINE,
     "EngineCore",
-    ("art_stage_base_update", "art_init_weight_transfer", "art_base_staging"),
+    (
+        "art_stage_base_update",
+        "art_init_weight_transfer",
+        "art_base_staging",
+        "art_renew_update",
+        "art_stage_progress",
+    ),
     by="engine_core.base_updates",
     why="utility calls that stage a full-weight update (the rest goes through the slot books), "
-    "join every worker of an engine to the trainer's weight-transfer group, and say what a "
-    "streamed version costs each worker",
+    "join every worker of an engine to the trainer's weight-transfer group, say what a "
+    "streamed version costs each worker, keep a long stage that progresses alive, and say how "
+    "far its workers got",
 )
 RELAYED_STAGE_UTILITIES = adds(
     _ENGINE,

@@ -29,7 +29,8 @@ from __future__ import annotations
 import os
 import time
 
-from art_vllm_plugin import compat
+from art_protocol.checkpoint_layout import LayoutError, read_layout
+from art_vllm_plugin import compat, stage_progress
 from art_vllm_plugin.engine_core import slot_updates, step_rides
 from art_vllm_plugin.engine_core.slot_registry import BASE, BASE_ID
 from art_vllm_plugin.engine_core.state import StagedInEngine, engine_state
@@ -58,8 +59,49 @@ def art_stage_base_update(
     step_rides.queue(self, ride)
     ranks = list(range(compat.engine_worker_count(self)))
     engine.registry.digests.note_staged(BASE, token, digest)
-    state.staged[token] = StagedInEngine(BASE_ID, BASE, version, ranks, time.perf_counter() - t0)
+    state.staged[token] = StagedInEngine(
+        BASE_ID,
+        BASE,
+        version,
+        ranks,
+        time.perf_counter() - t0,
+        markers=marker_dir,
+        totals=_totals(source),
+    )
     return {"ok": True, "ranks": ranks, "stall_ms": (time.perf_counter() - t0) * 1e3}
+
+
+def _totals(source: str | dict) -> tuple[int, int] | None:
+    """(bytes, tensors) of the update: from a stream's plan, or the stage's headers."""
+    try:
+        if isinstance(source, dict):
+            return stage_progress.plan_totals(source)
+        return stage_progress.layout_totals(read_layout(source))
+    except (LayoutError, KeyError, ValueError):
+        return None  # progress is shown without its total
+
+
+def art_stage_progress(self, token: str | None = None) -> dict | None:
+    """How far this engine's workers got staging the full-weight update `token` (None: the
+    one staged here now, whichever API server runs it): `{"token", "version",
+    "total_bytes", "total_tensors", "workers": [records]}`, each worker's progress record
+    (`stage_progress`) read in the marker directory on this host, its age on this host's
+    clock; None when no full-weight update stages here. Read by `GET /art/v1/weights` of an
+    API server that does not run the update, and for an engine on another host by the one
+    that does (its stall deadline)."""
+    for t, staged in engine_state(self).updates.staged.items():
+        if staged.name != BASE or staged.markers is None or token not in (None, t):
+            continue
+        total_bytes, total_tensors = staged.totals or (None, None)
+        records = stage_progress.read(staged.markers, staged.ranks)
+        return {
+            "token": t,
+            "version": staged.version,
+            "total_bytes": total_bytes,
+            "total_tensors": total_tensors,
+            "workers": [records[r].to_json() for r in sorted(records)],
+        }
+    return None
 
 
 def art_init_weight_transfer(self, init_info: dict) -> dict:
@@ -73,6 +115,20 @@ def art_init_weight_transfer(self, init_info: dict) -> dict:
         "workers": compat.engine_worker_count(self),
         "ms": (time.perf_counter() - t0) * 1e3,
     }
+
+
+def art_renew_update(self, token: str) -> dict:
+    """The update `token` is still making progress (its stage receives bytes): push back
+    this engine's limit on its life, `slot_registry.RESERVATION_TTL_S` (engine 0 would admit
+    another update of its slot after that, and `abandoned_updates` would free what it
+    staged). Sent by the API server every `slot_publish.RENEW_EVERY_S` while a full-weight
+    stage progresses (`api_server/stage_deadline.py`), so a stream that keeps moving bytes is
+    never taken for an abandoned one, however long it takes."""
+    engine = engine_state(self)
+    staged = engine.updates.staged.get(token)
+    if staged is not None:
+        staged.at = time.monotonic()
+    return {"reservation": engine.registry.renew(token), "staged": staged is not None}
 
 
 def art_base_staging(self) -> list[dict]:

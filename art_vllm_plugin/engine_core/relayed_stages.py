@@ -16,7 +16,8 @@ tmpfs write: about a millisecond per MB here); the local engines stage as before
 
 A streamed full-weight update (`art_stage_base_relayed`) needs no bytes here: the workers
 receive the trainer's stream themselves; only their markers need a directory on this host,
-and the digest each worker received is read back with `art_stage_ready_texts`.
+and the digest each worker received is read back with `art_stage_ready_texts`, and how far
+each got while it receives with `base_updates.art_stage_progress` (the stage's deadline).
 """
 
 from __future__ import annotations

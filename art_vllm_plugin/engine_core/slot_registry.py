@@ -193,12 +193,19 @@ class SlotRegistry:
             if held is not None and held.slot == slot and held.operation_id == operation_id:
                 if held.fingerprint != fingerprint:
                     return _conflict_reused(operation_id, slot)
-                return {"ok": False, "kind": "busy", "error": "the same operation is in progress"}
+                return {
+                    "ok": False,
+                    "kind": "busy",
+                    "error": "the same operation is in progress",
+                    "held_s": now - held.since,
+                }
         if held is not None:
             return {
                 "ok": False,
                 "kind": "busy",
                 "error": f"another update of {slot_named(slot)} is in progress",
+                # since it was admitted or last renewed (a full-weight stage that progresses)
+                "held_s": now - held.since,
             }
         if expected_version is not None and expected_version != rec.version:
             return {
@@ -218,6 +225,16 @@ class SlotRegistry:
             }
         self.reservations[slot] = Reservation(token, slot, operation_id, fingerprint, now)
         return {"ok": True, "version": rec.version, "server": self.server_id}
+
+    def renew(self, token: str, now: float | None = None) -> bool:
+        """The update `token` is alive (its stage progresses): its reservation counts its
+        `RESERVATION_TTL_S` from `now`. False when it holds none here (not engine 0)."""
+        now = time.time() if now is None else now
+        for held in self.reservations.values():
+            if held.token == token:
+                held.since = now
+                return True
+        return False
 
     def release(self, token: str) -> None:
         for slot, held in list(self.reservations.items()):

@@ -32,6 +32,10 @@ class StagedInEngine:
     #: When it was staged: one its API server never committed or aborted is abandoned after
     #: `slot_registry.RESERVATION_TTL_S` (`abandoned_updates`).
     at: float = field(default_factory=time.monotonic)
+    #: A full-weight stage: its workers' marker directory on this host, where they keep
+    #: their progress records, and the update's (bytes, tensors) (`art_stage_progress`).
+    markers: str | None = None
+    totals: tuple[int, int] | None = None
 
 
 @dataclass

@@ -173,3 +173,19 @@ def test_weights_staging_budget_is_bytes_and_gpu_staging_is_refused_by_name(caps
     with pytest.raises(SystemExit):
         _art_parser().parse_args(["--art-weights-staging-bytes", "lots"])
     assert "--art-weights-staging-bytes" in capsys.readouterr().err
+
+
+def test_weights_stall_timeout_is_positive_seconds_with_a_default(capsys):
+    from art_vllm_plugin.api_server.stage_deadline import DEFAULT_STALL_S
+
+    assert _art_parser().parse_args([]).art_weights_stall_timeout == DEFAULT_STALL_S == 120.0
+    args = _art_parser().parse_args(["--art-weights-stall-timeout", "2.5"])
+    assert args.art_weights_stall_timeout == 2.5
+    for bad in ("0", "-1", "soon", "inf"):
+        with pytest.raises(SystemExit):
+            _art_parser().parse_args(["--art-weights-stall-timeout", bad])
+        err = capsys.readouterr().err
+        assert (
+            f"--art-weights-stall-timeout: expected a positive number of seconds, got {bad!r}"
+            in err
+        )
