@@ -43,7 +43,7 @@ from art_megatron_ext.weights.stream_sender import (
     open_store,
 )
 from art_protocol import nixl_wire as wire
-from art_protocol.nixl_api import new_agent
+from art_protocol.nixl_api import new_agent, progress
 from art_protocol.weight_transfer import TransferPlan
 
 #: The default bucket: large enough that a record per bucket costs nothing next to its bytes,
@@ -76,6 +76,7 @@ class _Pulled:
         stall = self.sender.stall_timeout_s
         deadline, delay = time.monotonic() + stall, 0.0002
         while not store.check([done]):
+            progress(self.sender.agent)  # the target's part of a read, where UCX needs one
             if store.add(wire.quit_key(self.round), 0) > 0:
                 raise RuntimeError(
                     f"round {self.round}: a worker stopped reading at bucket {self.n}: "
