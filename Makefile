@@ -143,10 +143,20 @@ test-serve:
 	$(MAKE) --no-print-directory test-serve-v2 || rc=1; \
 	$(MAKE) --no-print-directory test-serve-v1 || rc=1; \
 	exit $$rc
+# The lanes run side by side on a 2-core host, so their processes run unpinned with one OpenMP
+# thread each (TEST_CPU): vLLM's default CPU binding (`VLLM_CPU_OMP_THREADS_BIND=auto`) puts
+# every one-worker server's worker on core 0 and the plugin's layout moves its EngineCore
+# there too (right for one server on the host, what users run), so with three lanes every
+# lane's server computed on one core while the other ran the rest: a clean-clone `make test`
+# took 45-47 min per lane with both cores 100% busy (2026-12-07). Unpinned, the kernel
+# spreads them. Servers that bind on purpose (tp2, dp2, pp2, ray_tp2, the fleet replicas, the
+# two hosts) still do; the V1 lane keeps vLLM's default binding, so the capabilities test
+# checks the plugin's layout on a bound server there (and the unbound branch in the 0.34 lane).
+TEST_CPU := OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind
 # SERVERS=shared|own runs one half of it (tests/support/server_split.py); unset, all of it.
 # SERVE_V2_IGNORE: files left out (`make test` leaves out what its vLLM 0.34 lane runs).
 test-serve-v2: serve-env $(SERVE)/.triton-ready $(TINY)/.ready
-	ART_TEST_MODEL_RUNNER=v2 $(SERVE)/bin/python -m pytest tests/art_vllm_plugin tests/cross_env -m "not train" $(if $(SERVERS),--servers $(SERVERS)) $(addprefix --ignore=,$(SERVE_V2_IGNORE))
+	$(TEST_CPU) ART_TEST_MODEL_RUNNER=v2 $(SERVE)/bin/python -m pytest tests/art_vllm_plugin tests/cross_env -m "not train" $(if $(SERVERS),--servers $(SERVERS)) $(addprefix --ignore=,$(SERVE_V2_IGNORE))
 test-serve-v1: serve-env $(TINY)/.ready
 	ART_TEST_MODEL_RUNNER=v1 $(SERVE)/bin/python -m pytest $(SERVE_V1_SUBSET) -m "not train"
 # The serve tail: own-server modules `make test` moves from the own-servers lane to the end of
@@ -157,28 +167,26 @@ test-serve-v1: serve-env $(TINY)/.ready
 # SERVE_V2_IGNORE still run it in place.
 SERVE_TAIL := tests/cross_env/test_zoo_moe_serving.py
 test-serve-tail: serve-env $(SERVE)/.triton-ready $(TINY)/.ready train-env
-	ART_TEST_MODEL_RUNNER=v2 $(SERVE)/bin/python -m pytest $(SERVE_TAIL) -m "not train"
+	$(TEST_CPU) ART_TEST_MODEL_RUNNER=v2 $(SERVE)/bin/python -m pytest $(SERVE_TAIL) -m "not train"
 # vLLM 0.34 (Model Runner V2 only; .venv-serve34): a subset, because the whole suite on a
 # second vLLM would double the serve side (about 50 min of lanes) past CI's 35 minutes. Chosen:
 # the in-flight update contract (the plugin's core: slot swaps between steps, spans with n>1,
 # streaming and chat, aliases, update races, memory over 200 updates) and the capabilities
 # report (the version and runner served), on one shared `lora` server start. In `make test` it
 # replaces those two files in 0.32's MRV2 run (SERVE_V2_IGNORE; MRV2 is the runner of both, and
-# 0.32 keeps them on the V1 runner in SERVE_V1_SUBSET). It runs as a fourth lane from the
-# start (building .venv-serve34 first, about 2 min cold): run after the shared lane it made
-# `make test` 36-39 min in two clean-clone runs (2026-12-07), while the lanes used about one
-# of the two cores on average (34 min of CPU in 36 min of wall). Measured, `pytest SERVE34_SUBSET` alone on this 2-core machine beside other
-# agents' work (2026-12-07): 34 passed in 5 min 45 s (in-flight file only, load ~3), 7 min 37 s
-# (both files, load ~5, server start 151 s); 8 min 21 s at load ~17. Not measured: a whole
-# clean-clone `make test` with this lane (the shared lane was 28.5 min on 2026-12-04, with
-# these files in it). Issue 37 asks for more on 0.34 (full-weight, routes, leases;
+# 0.32 keeps them on the V1 runner in SERVE_V1_SUBSET). It runs after the shared-servers lane
+# (its environment installs beside the other two first, `test-envs`). As a fourth lane from the
+# start it made CI's `make test` 51.6 min (2026-12-07): four lanes on two cores slowed every
+# server-heavy module 2-9x (the Ray module 843 s against 97 s alone) and a Ray request timed
+# out. Measured alone on this 2-core machine (2026-12-07): 34 passed in 5 min 45 s (in-flight
+# file only, load ~3). Issue 37 asks for more on 0.34 (full-weight, routes, leases;
 # docs/compat.md says what passes by hand and why the DP=2 files cannot start here).
 SERVE34_SUBSET := tests/art_vllm_plugin/test_inflight_update.py \
 	tests/art_vllm_plugin/api_server/test_capabilities.py
 test-serve34: serve34-env $(TINY)/.ready
-	ART_TEST_MODEL_RUNNER=v2 $(SERVE34)/bin/python -m pytest $(SERVE34_SUBSET) -m "not train"
+	$(TEST_CPU) ART_TEST_MODEL_RUNNER=v2 $(SERVE34)/bin/python -m pytest $(SERVE34_SUBSET) -m "not train"
 test-train: train-env
-	$(TRAIN)/bin/python -m pytest tests/art_protocol tests/art_megatron_ext tests/hybridep tests/train_env tests/examples
+	$(TEST_CPU) $(TRAIN)/bin/python -m pytest tests/art_protocol tests/art_megatron_ext tests/hybridep tests/train_env tests/examples
 
 # What bench/gpu_check.sh needs on the lent GPU machine beyond its image; see README "GPU check".
 # GPU_CARRY_PREBUILD=0 skips pre-building the kernels (then the check builds them there).

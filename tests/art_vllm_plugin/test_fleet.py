@@ -37,8 +37,8 @@ from art_vllm_plugin import serve_process
 
 pytestmark = pytest.mark.serve
 
-N_VERSIONS = 20
-KILL_BEFORE = 8  # replica KILLED is stopped right before this publish
+N_VERSIONS = 10
+KILL_BEFORE = 4  # replica KILLED is stopped right before this publish
 KILLED = 2
 PROMPT = "the trainer publishes a new policy and every replica"
 PAUSE_S = 0.1  # between traffic requests: steady traffic that leaves the 2 cores some room

@@ -61,7 +61,8 @@ def _cpus(proc: psutil.Process) -> set[int]:
 
 def test_cpu_layout_keeps_a_core_for_the_api_server_where_it_helps(art_server):
     """Default `--art-cpu-layout auto`: EngineCore shares the worker's cores exactly when
-    `plan` says so for this host (on 2 cores: always), and capabilities report it."""
+    `plan` says so for this host (on 2 cores: whenever the workers are bound to one), and
+    capabilities report it."""
     api = psutil.Process(art_server.proc.pid)
     children = api.children(recursive=True)
     engine = [p for p in children if "EngineCore" in p.name()]
@@ -78,8 +79,10 @@ def test_cpu_layout_keeps_a_core_for_the_api_server_where_it_helps(art_server):
         assert _cpus(engine[0]) == set(expected)
         assert feature["cpu_layout"]["enabled"] is True
         assert allowed - set(expected), "a core stays free for the API server"
-    if len(allowed) == 2:
-        assert expected is not None, "on a 2-core host the layout applies"
+    if len(allowed) == 2 and worker_cpus < allowed:
+        # vLLM's default binding (the V1 lane of `make test`); unbound workers (`nobind`, the
+        # other lanes: Makefile TEST_CPU) take the branch above
+        assert expected is not None, "on a 2-core host with bound workers the layout applies"
 
 
 def test_features_report_the_server_state(art_server):
