@@ -1,11 +1,14 @@
 """Full-weight updates streamed from the trainer (`transfer`, no files) on two DP engines.
 
 The server: the shared `dp2` server (tests/support/server_kinds.py), which runs vLLM's
-weight-transfer machinery with this plugin's `art_gloo` engine (`--weight-transfer-config
-'{"backend": "art_gloo"}'`, registered with vLLM's factory). The test process is the
-trainer: `GlooWeightSender` (art_megatron_ext.weights) opens the group, every worker of both
-engines joins it through `POST /art/v1/weights/transfer/init`, and each update is one request
-plus the stream. The weights are the tiny model's with noise (the same export a files update
+weight-transfer machinery with this plugin's `art_nixl` engine (`--weight-transfer-config
+'{"backend": "art_nixl"}'`, registered with vLLM's factory). The test process is the
+trainer: `NixlWeightSender` (art_megatron_ext.weights) registers its buckets (96 KiB here, so
+the larger tensors cross bucket boundaries) with a NIXL agent, every worker of both engines
+joins through `POST /art/v1/weights/transfer/init` (its own agent and receive buffer), and
+each update is one request plus the stream, which every worker reads out of the trainer's
+buckets. art_gloo keeps its own tests (worker/test_gloo_wire.py, test_two_hosts.py, the
+example loop). The weights are the tiny model's with noise (the same export a files update
 would read), so what the engines compute is checked against Hugging Face transformers on
 that checkpoint, in float32.
 
@@ -52,7 +55,7 @@ from support.full_weights import (
     update,
 )
 
-from art_megatron_ext.weights import GlooWeightSender
+from art_megatron_ext.weights import NixlWeightSender
 from art_protocol.client import ArtClient, ArtError
 from art_protocol.spans import validate_spans
 from art_protocol.weights_digest import digest_checkpoint
@@ -61,6 +64,8 @@ pytestmark = [pytest.mark.serve, pytest.mark.changes_base_weights]
 
 #: Workers of the dp2 server: two engines of one worker each.
 WORKERS = 2
+#: The trainer's buckets: the embedding and lm_head (139,520 bytes each) cross a boundary.
+BUCKET_BYTES = 96 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +76,11 @@ def server(dp2_server, tiny_model):
 
 @pytest.fixture(scope="module")
 def sender(server):
-    """The trainer's end of the group; every worker of both engines joined it."""
+    """The trainer's end; every worker of both engines joined it."""
     client = ArtClient(server.url, timeout=600)
-    sender = GlooWeightSender.connect(client, workers=WORKERS, timeout_s=120)
+    sender = NixlWeightSender.connect(
+        client, workers=WORKERS, bucket_bytes=BUCKET_BYTES, timeout_s=120
+    )
     yield sender
     sender.close()
     client.close()

@@ -171,9 +171,10 @@ def staging_budget(model: Path) -> int:
 def tp_config(p: KindPaths, tp: int, log_path: Path | None = None):
     """`-tp N` on the tiny model, float32: bf16 sums split over two ranks round differently
     and greedy tokens drift apart after a few dozen tokens; float32 keeps the sharded sums
-    equal to the whole (test_tensor_parallel compares -tp 2 with -tp 1). The art_gloo
+    equal to the whole (test_tensor_parallel compares -tp 2 with -tp 1). The art_nixl
     weight-transfer engine and a staging budget for test_shard_staging (the last module on
-    it: it streams full weights to the two workers, each of which stages only its shard)."""
+    it: it streams full weights to the two workers over NIXL, each of which stages only its
+    shard; art_gloo keeps its own tests: test_gloo_wire, test_two_hosts, the example loop)."""
     from art_vllm_plugin.serve_process import tiny_lora_args
 
     env = {"VLLM_SERVER_DEV_MODE": "1", "ART_TEST_HOOKS": "1"}
@@ -184,7 +185,7 @@ def tp_config(p: KindPaths, tp: int, log_path: Path | None = None):
         (
             *tiny_lora_args(max_loras=2),
             *("--tensor-parallel-size", str(tp), "--dtype", "float32"),
-            *("--weight-transfer-config", '{"backend": "art_gloo"}'),
+            *("--weight-transfer-config", '{"backend": "art_nixl"}'),
             *("--art-weights-staging-bytes", str(staging_budget(p.tiny_model))),
             *_modules(_tp2_slots(p)),
             *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
@@ -198,7 +199,8 @@ def tp_config(p: KindPaths, tp: int, log_path: Path | None = None):
 # -- dp2: two data-parallel engines, two API servers -------------------------------------------
 # float32, prompt token details and dev mode for test_full_weight_update (the last module on
 # it: it changes the base weights), whose greedy tokens are compared with Hugging Face's;
-# the art_gloo weight-transfer engine for test_streamed_weight_update (also last).
+# the art_nixl weight-transfer engine for test_streamed_weight_update (also last: the DP=2
+# full-weight contract over NIXL).
 def _dp2_slots(p: KindPaths) -> dict[str, Path]:
     return _starts(p.start, p.tiny_adapters, {"policy": "a", "ref_b": "b"})
 
@@ -212,7 +214,7 @@ def _dp2(p: KindPaths):
             *tiny_lora_args(max_loras=2),
             *("--data-parallel-size", "2", "--dtype", "float32"),
             "--enable-prompt-tokens-details",
-            *("--weight-transfer-config", '{"backend": "art_gloo"}'),
+            *("--weight-transfer-config", '{"backend": "art_nixl"}'),
             *("--max-cpu-loras", "3"),  # slots policy and ref_b, and one lease copy
             *_modules(_dp2_slots(p)),
             *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),

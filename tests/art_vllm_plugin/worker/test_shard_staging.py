@@ -3,9 +3,10 @@ copy where the served form is the loaded form (`worker/shard_stage.py`,
 `worker/shard_commit.py`, issue 35 items 3 and 4).
 
 The server: the shared `tp2` server (tests/support/server_kinds.py: `-tp 2`, float32, the
-`art_gloo` weight-transfer engine, `--art-weights-staging-bytes` = 3/4 of the model in float32).
-The test process is the trainer (`GlooWeightSender`); both workers of the one engine receive
-the stream between two steps and keep only their slices.
+`art_nixl` weight-transfer engine, `--art-weights-staging-bytes` = 3/4 of the model in float32).
+The test process is the trainer (`NixlWeightSender`, 96 KiB buckets); both workers of the one
+engine read each bucket out of the trainer's registered buffers between two steps and keep
+only their slices.
 
 Checked:
 - before any stream, `GET /art/v1/weights` says what a version costs each worker: its shard
@@ -34,13 +35,15 @@ import torch
 from safetensors.torch import load_file
 from support.full_weights import SHORT, Server, export, hf_greedy, prompt_ids, tokens, update
 
-from art_megatron_ext.weights import GlooWeightSender
+from art_megatron_ext.weights import NixlWeightSender
 from art_protocol.client import ArtClient, ArtError
 
 pytestmark = [pytest.mark.serve, pytest.mark.changes_base_weights]
 
 #: The one engine of the tp2 server has two workers.
 WORKERS = 2
+#: The trainer's buckets: the embedding and lm_head (139,520 bytes each) cross a boundary.
+BUCKET_BYTES = 96 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,9 @@ def server(tp2_server, tiny_model):
 @pytest.fixture(scope="module")
 def sender(server):
     client = ArtClient(server.url, timeout=600)
-    sender = GlooWeightSender.connect(client, workers=WORKERS, timeout_s=120)
+    sender = NixlWeightSender.connect(
+        client, workers=WORKERS, bucket_bytes=BUCKET_BYTES, timeout_s=120
+    )
     yield sender
     sender.close()
     client.close()
