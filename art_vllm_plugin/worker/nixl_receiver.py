@@ -36,6 +36,20 @@ class StreamStalled(TimeoutError):
     content, failed (the update is refused as an engine failure)."""
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN and no infinity in `tensor`, by its minimum and maximum (one pass, nothing
+    allocated; NaN propagates into both, an infinity is one of them): 3.0 GB/s on float32 and
+    1.6 on bfloat16 here against 0.2 for `isfinite(t).all()`, which was the slowest step of a
+    worker's receive. Dtypes without `aminmax` (float8) are checked as float32."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    try:
+        low, high = torch.aminmax(tensor)
+    except (RuntimeError, NotImplementedError):
+        low, high = torch.aminmax(tensor.to(torch.float32))
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 def _itemsize(dtype_name: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
 
@@ -141,7 +155,7 @@ class NixlReceiver:
                     seen.add(e.index)
                     dtype = getattr(torch, dtypes[e.index])
                     tensor = part.flat.view(dtype).reshape(shapes[e.index])
-                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    if not all_finite(tensor):
                         problems.append(f"{names[e.index]}: holds NaN or infinite values")
                     sink(names[e.index], tensor)
             if self.device.type == "cuda":  # our buffer is read out before NIXL writes it again
