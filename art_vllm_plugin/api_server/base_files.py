@@ -124,13 +124,15 @@ def scan(checkpoint_dir: Path) -> tuple[str, list[str]]:
     import torch
     from safetensors import SafetensorError, safe_open
 
+    from art_vllm_plugin.tensor_checks import all_finite
+
     digest, bad = WeightsDigest(), []
     for path in checkpoint_files(checkpoint_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
                     tensor = f.get_tensor(name).contiguous()
-                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    if not all_finite(tensor):
                         bad.append(f"{name}: holds NaN or infinite values")
                     data = tensor.view(torch.uint8).numpy() if tensor.numel() else b""
                     digest.update(name, str(tensor.dtype), tuple(tensor.shape), data)

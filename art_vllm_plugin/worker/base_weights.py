@@ -57,6 +57,7 @@ from art_protocol.checkpoint_layout import checkpoint_files
 from art_protocol.weights_digest import WeightsDigest
 from art_vllm_plugin import compat, stage_progress, staging
 from art_vllm_plugin.compat import shard_forms
+from art_vllm_plugin.tensor_checks import all_finite
 from art_vllm_plugin.worker import shard_commit, shard_stage, write_probes
 from art_vllm_plugin.worker.stager import STREAM, stage_in_background
 from art_vllm_plugin.worker.state import BaseUndo, StagedBase, worker_state
@@ -113,7 +114,7 @@ class _ShardSink:
             host = host.contiguous()
             data = host.view(torch.uint8).numpy() if host.numel() else b""
             self.digest.update(name, str(host.dtype), tuple(host.shape), data)
-            if host.is_floating_point() and not bool(torch.isfinite(host).all()):
+            if not all_finite(host):
                 self.problems.append(f"{name}: holds NaN or infinite values")
             self.stage.load_weights([(name, tensor)])
             if self.progress is not None:

@@ -31,6 +31,7 @@ import torch
 from art_protocol.weight_transfer import DIGEST_BYTES, END, GROUP_PREFIX, ready_key
 from art_protocol.weights_digest import WeightsDigest
 from art_vllm_plugin import compat
+from art_vllm_plugin.tensor_checks import all_finite
 from art_vllm_plugin.worker.stream_errors import StreamRefused
 
 __all__ = ["ArtGlooWeightTransferEngine", "GlooInitInfo", "GlooUpdateInfo", "StreamRefused"]
@@ -88,7 +89,7 @@ def receive_stream(group, store, rank: int, info: GlooUpdateInfo, sink) -> str:
         _broadcast(group, tensor)
         data = tensor.view(torch.uint8).numpy() if tensor.numel() else b""
         digest.update(name, str(tensor.dtype), tuple(tensor.shape), data)
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if not all_finite(tensor):
             problems.append(f"{name}: holds NaN or infinite values")
         sink(name, tensor)
     sent = torch.empty(DIGEST_BYTES, dtype=torch.uint8)

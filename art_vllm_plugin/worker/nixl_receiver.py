@@ -28,26 +28,13 @@ import torch
 from art_protocol import nixl_wire as wire
 from art_protocol.nixl_api import new_agent
 from art_protocol.weight_transfer import ready_key
+from art_vllm_plugin.tensor_checks import all_finite
 from art_vllm_plugin.worker.stream_errors import StreamRefused
 
 
 class StreamStalled(TimeoutError):
     """No progress for longer than the stall deadline: the transport, not the stream's
     content, failed (the update is refused as an engine failure)."""
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN and no infinity in `tensor`, by its minimum and maximum (one pass, nothing
-    allocated; NaN propagates into both, an infinity is one of them): 3.0 GB/s on float32 and
-    1.6 on bfloat16 here against 0.2 for `isfinite(t).all()`, which was the slowest step of a
-    worker's receive. Dtypes without `aminmax` (float8) are checked as float32."""
-    if not tensor.is_floating_point() or tensor.numel() == 0:
-        return True
-    try:
-        low, high = torch.aminmax(tensor)
-    except (RuntimeError, NotImplementedError):
-        low, high = torch.aminmax(tensor.to(torch.float32))
-    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def _itemsize(dtype_name: str) -> int:
