@@ -144,7 +144,8 @@ def _test_stall_window(request: Request) -> float | None:
 async def weights_transfer_init(request: Request):
     """Every worker of every DP engine joins the trainer's weight-transfer group (JSON
     `{"init_info": {...}}`, the engine's: for `art_gloo` `master_address`, `master_port`,
-    `world_size`[, `rank_offset`, `timeout_s`]). Answers once every worker has joined."""
+    `world_size`[, `rank_offset`, `timeout_s`]; `art_nixl` takes the same and
+    `stall_timeout_s`). Answers once every worker has joined."""
     art = request.app.state.art
     try:
         try:
