@@ -14,6 +14,8 @@ from pathlib import Path
 #: `device` values: "auto" is CUDA when the trainer process sees a GPU, else CPU
 DEVICES = ("auto", "cuda", "cpu")
 LOOPBACK = "127.0.0.1"
+#: How full-weight versions may travel (`--transport`).
+TRANSPORTS = ("files", "gloo", "nixl")
 #: `stream_keep` values (`art_megatron_ext.weights.kept_version.KEEP_WHERE`; this module stays
 #: importable without torch)
 STREAM_KEEP = ("device", "pinned_host", "files")
@@ -74,15 +76,17 @@ class LoopConfig:
     #: full-weight updates (`/art/v1/weights/update`), rollouts on the base model
     update: str = "lora"
     full_lr: float = 2e-3  # Adam's learning rate when every weight trains (`update="full"`)
-    #: How full-weight versions travel: "files" (RUN_DIR/weights/v<N>, read by the server) or
-    #: "gloo" (streamed to the server's workers over the art_gloo weight-transfer group; the
-    #: server reads nothing of RUN_DIR)
+    #: How full-weight versions travel: "files" (RUN_DIR/weights/v<N>, read by the server),
+    #: "gloo" (streamed to the server's workers over the art_gloo weight-transfer group) or
+    #: "nixl" (the art_nixl engine: the workers READ the trainer's registered buckets over
+    #: NIXL; `pip install 'art-pipeline[nixl]'` on both sides); streamed, the server reads
+    #: nothing of RUN_DIR
     transport: str = "files"
-    #: `transport="gloo"`: the address the server's workers reach the trainer's rank 0 at
-    #: (it hosts the group there: `GlooWeightSender.connect(host=)`); run.py's default is
-    #: `default_trainer_host()`
+    #: streamed (`transport` "gloo" or "nixl"): the address the server's workers reach the
+    #: trainer's rank 0 at (it hosts the group there: `GlooWeightSender.connect(host=)`,
+    #: `NixlWeightSender.connect(host=)`); run.py's default is `default_trainer_host()`
     trainer_host: str = LOOPBACK
-    #: `transport="gloo"`: where rank 0 keeps the version while it streams in the background
+    #: streamed: where rank 0 keeps the version while it streams in the background
     #: (`art_megatron_ext.weights.keep_version`): "device" (beside the parameters: GPU spare
     #: memory on a GPU, no host copy), "pinned_host" (page-locked host memory) or "files"
     #: (RUN_DIR/weights/v<N>, read back a shard at a time: nothing kept in memory)
@@ -96,10 +100,12 @@ class LoopConfig:
                 "--push sends a LoRA adapter's files; full-weight updates go by path "
                 "(RUN_DIR/weights/v<N>, under the server's --art-adapter-root)"
             )
-        if self.transport not in ("files", "gloo"):
-            raise ValueError(f"transport must be 'files' or 'gloo', got {self.transport!r}")
-        if self.transport == "gloo" and self.update != "full":
-            raise ValueError("--transport gloo streams full weights: it needs --update full")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport != "files" and self.update != "full":
+            raise ValueError(
+                f"--transport {self.transport} streams full weights: it needs --update full"
+            )
         if self.stream_keep not in STREAM_KEEP:
             raise ValueError(f"stream_keep must be one of {STREAM_KEEP}, got {self.stream_keep!r}")
         if self.device not in DEVICES:
@@ -139,7 +145,12 @@ class LoopConfig:
 
     @property
     def streamed(self) -> bool:
-        return self.transport == "gloo"
+        return self.transport != "files"
+
+    @property
+    def transfer_backend(self) -> str:
+        """The server's `--weight-transfer-config` backend of a streamed transport."""
+        return {"gloo": "art_gloo", "nixl": "art_nixl"}[self.transport]
 
     @property
     def model_name(self) -> str:

@@ -67,7 +67,7 @@ class Publisher:
         self._background = None
         if url is not None:
             if cfg.streamed:
-                self._post = self._streamer(url, cfg.trainer_host)
+                self._post = self._streamer(url, cfg.trainer_host, cfg.transport)
             elif cfg.full:
                 self._post = self._full_poster(url)
             else:
@@ -102,21 +102,21 @@ class Publisher:
         return post
 
     @staticmethod
-    def _streamer(url: str, host: str):
-        """Streams each version over the art_gloo group, opened on the first publish at `host`
-        (`cfg.trainer_host`: the address the server's workers reach this process at)."""
-        from art_megatron_ext.weights import GlooWeightSender
+    def _streamer(url: str, host: str, transport: str):
+        """Streams each version over the weight-transfer group of `transport` ("gloo":
+        art_gloo, "nixl": art_nixl), opened on the first publish at `host` (`cfg.trainer_host`:
+        the address the server's workers reach this process at)."""
+        from art_megatron_ext.weights import GlooWeightSender, NixlWeightSender
         from art_protocol.client import ArtClient
 
         art = ArtClient(url, timeout=300)
         sender = None
+        kind = {"gloo": GlooWeightSender, "nixl": NixlWeightSender}[transport]
 
         def stream(ready: StreamReady) -> dict:
             nonlocal sender
             if sender is None:
-                sender = GlooWeightSender.connect(
-                    art, workers=SERVER_WORKERS, host=host, timeout_s=300
-                )
+                sender = kind.connect(art, workers=SERVER_WORKERS, host=host, timeout_s=300)
             plan = ready.kept.plan()
             try:
                 return sender.send(ready.version, plan, ready.kept.produce, digest=ready.digest)

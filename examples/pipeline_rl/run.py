@@ -102,9 +102,9 @@ def float32_copy(model: Path, out: Path) -> Path:
 
 def full_server_args(cfg: LoopConfig) -> list[str]:
     """`--update full`: the base model alone (no LoRA), exports read from RUN_DIR/weights, or
-    with `--transport gloo` streamed by the trainer (the server may not read RUN_DIR)."""
+    with `--transport gloo|nixl` streamed by the trainer (the server may not read RUN_DIR)."""
     if cfg.streamed:
-        source = ("--weight-transfer-config", json.dumps({"backend": "art_gloo"}))
+        source = ("--weight-transfer-config", json.dumps({"backend": cfg.transfer_backend}))
     else:
         source = ("--art-adapter-root", cfg.run_dir)
     return [

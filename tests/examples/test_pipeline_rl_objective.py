@@ -122,3 +122,15 @@ def test_the_age_filter_acts_per_token():
     assert [m.ages.tolist() for m in got.members] == [[3] * 4 + [1] * 4, [0] * 8]
     assert [m.advantage > 0 for m in got.members] == [True, False]  # relative to the kept two
     assert drops["stale"] == 1 and drops["stale_tokens"] == 4 + 8
+
+
+def test_streamed_transports_pick_their_engine_and_need_full_weights():
+    base = {"run_dir": "/nonexistent", "hf_model": "m", "init_adapter": "a", "update": "full"}
+    gloo, nixl = LoopConfig(**base, transport="gloo"), LoopConfig(**base, transport="nixl")
+    assert (gloo.streamed, gloo.transfer_backend) == (True, "art_gloo")
+    assert (nixl.streamed, nixl.transfer_backend) == (True, "art_nixl")
+    assert not LoopConfig(**base).streamed  # files
+    with pytest.raises(ValueError, match=r"--transport nixl streams full weights"):
+        LoopConfig(**{**base, "update": "lora"}, transport="nixl")
+    with pytest.raises(ValueError, match=r"transport must be one of .*'nixl'.*got 'nccl'"):
+        LoopConfig(**base, transport="nccl")
