@@ -46,9 +46,17 @@ class StageProgress:
     """The update in flight (`running`, set by `BaseUpdater` around its stage) and its
     progress per engine."""
 
-    def __init__(self, engine_client, engines: list[slot_publish.Engine], stall_s: float):
+    def __init__(
+        self,
+        engine_client,
+        engines: list[slot_publish.Engine],
+        stall_s: float,
+        sole_api_server: bool = False,
+    ):
         self.engine_client = engine_client
         self.engines = engines
+        #: This is the server's only API server: an update no API server here runs is none.
+        self.sole_api_server = sole_api_server
         #: The server's `--art-weights-stall-timeout` (shown for an update another API
         #: server runs).
         self.stall_s = stall_s
@@ -63,7 +71,7 @@ class StageProgress:
         worker's record."""
         run = self.running
         if run is None:
-            return await self._view_of_another()
+            return None if self.sole_api_server else await self._view_of_another()
         local = [e for e in self.engines if not e.remote]
         records = await asyncio.to_thread(_read_local, run.stage_dir, local)
         for engine in self.engines:

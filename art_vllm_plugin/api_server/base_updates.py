@@ -109,7 +109,9 @@ class BaseUpdater:
         self.model = model
         self._lock = asyncio.Lock()
         #: The update staging now and how far it got (`GET /art/v1/weights`).
-        self.progress = StageProgress(self.engine_client, self.engines, stall_timeout_s)
+        self.progress = StageProgress(
+            self.engine_client, self.engines, stall_timeout_s, self.view.sole_api_server
+        )
 
     async def update(self, req: UpdateRequest, stall_s: float | None = None) -> dict:
         """Run one update to its end, whatever happens to the client (as for slot updates).
