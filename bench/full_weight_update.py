@@ -20,16 +20,20 @@ tiny model's tokenizer):
 `--transport gloo` streams each version from this process (the trainer) over the `art_gloo`
 weight-transfer group instead of naming a directory (`GlooWeightSender`; the server runs
 `--weight-transfer-config '{"backend": "art_gloo"}'`): end to end is then the request plus
-the stream, and no stage is copied or read from disk.
+the stream, and no stage is copied or read from disk. `--transport nixl` streams through
+`NixlWeightSender`'s registered buckets, which the worker READs over NIXL (`art_nixl`). Each
+row also gives the update's bytes over its end-to-end time against a plain in-process copy
+of the same tensors (the memcpy ceiling of this host, measured in the same run).
 
 Usage: .venv-serve/bin/python bench/full_weight_update.py [--runner v1|v2] [--seconds 6]
-       [--rounds 2] [--updates 12] [--every 1.0] [--transport files|gloo]
+       [--rounds 2] [--updates 12] [--every 1.0] [--transport files|gloo|nixl]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shutil
 import statistics
 import sys
@@ -40,11 +44,13 @@ import httpx
 from completion_load import generate_until
 
 # (imported before `config` puts tests/ on sys.path: its art_megatron_ext/ would shadow ours)
-from art_megatron_ext.weights import GlooWeightSender
+from art_megatron_ext.weights import GlooWeightSender, NixlWeightSender
 from art_protocol.client import ArtClient
 from art_vllm_plugin import serve_process
 
 TINY = Path(".cache/tiny/model")
+#: `--transport` -> the server's weight-transfer engine
+BACKENDS = {"gloo": "art_gloo", "nixl": "art_nixl"}
 ROOT = Path(".cache/bench-weights")
 PROMPT = "the policy model learns from the reward and the trainer sends"
 LARGE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4}
@@ -102,8 +108,8 @@ def config(model: Path, runner: str, transport: str = "files") -> serve_process.
             *("--art-adapter-root", str(ROOT.resolve())),
             *serve_process.ALLOW_UNAUTHENTICATED,
             *(
-                ("--weight-transfer-config", '{"backend": "art_gloo"}')
-                if transport == "gloo"
+                ("--weight-transfer-config", json.dumps({"backend": BACKENDS.get(transport)}))
+                if transport in BACKENDS
                 else ()
             ),
         ),
@@ -135,18 +141,19 @@ class Updater:
 
 
 class StreamUpdater(Updater):
-    """Streams the exports' tensors in turn (`--transport gloo`), from memory."""
+    """Streams the exports' tensors in turn (`--transport gloo|nixl`), from memory."""
 
-    def __init__(self, paths: list[Path], url: str):
+    def __init__(self, paths: list[Path], url: str, transport: str):
         from safetensors.torch import load_file
 
         super().__init__(paths)
         self.tensors = [load_file(str(p / "model.safetensors")) for p in paths]
         self.url, self.sender = url, None
+        self.kind = {"gloo": GlooWeightSender, "nixl": NixlWeightSender}[transport]
 
     def _send(self, version: int) -> None:
         if self.sender is None:
-            self.sender = GlooWeightSender.connect(ArtClient(self.url, timeout=600), workers=1)
+            self.sender = self.kind.connect(ArtClient(self.url, timeout=600), workers=1)
         tensors = self.tensors[version % len(self.tensors)]
         plan = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
         self.sender.send(version, plan, lambda sink: [sink(n, t) for n, t in tensors.items()])
@@ -198,6 +205,23 @@ async def stalls(url: str, model: str, n: int, clients: int, update: Updater):
     return state["stalls_ms"][before:], state["commit_stalls_ms"][before:], state["mean_step_ms"]
 
 
+def memcpy_gbs(export: Path) -> float:
+    """GB/s of copying one export's tensors into buffers allocated beforehand, best of 5: the
+    ceiling a transport on this host is compared with."""
+    from safetensors.torch import load_file
+
+    tensors = list(load_file(str(export / "model.safetensors")).values())
+    targets = [t.clone() for t in tensors]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for dst, src in zip(targets, tensors, strict=True):
+            dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
 def run_model(name: str, model: Path, args) -> dict:
     paths = exports(model, name, 3)
     size = (model / "model.safetensors").stat().st_size
@@ -206,7 +230,11 @@ def run_model(name: str, model: Path, args) -> dict:
     restart_s = time.monotonic() - t0
     try:
         served = str(model.resolve())
-        update = StreamUpdater(paths, server.url) if args.transport == "gloo" else Updater(paths)
+        update = (
+            StreamUpdater(paths, server.url, args.transport)
+            if args.transport in BACKENDS
+            else Updater(paths)
+        )
         stall, commit, step = asyncio.run(
             stalls(server.url, served, args.updates, args.clients, update)
         )
@@ -230,6 +258,7 @@ def run_model(name: str, model: Path, args) -> dict:
         "e2e_p50": statistics.median(e2e),
         "restart_s": restart_s,
         "throughput": statistics.median(ratios),
+        "memcpy_gbs": memcpy_gbs(paths[0]),
     }
 
 
@@ -241,21 +270,23 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=12)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--every", type=float, default=1.0)
-    parser.add_argument("--transport", default="files", choices=("files", "gloo"))
+    parser.add_argument("--transport", default="files", choices=("files", *BACKENDS))
     args = parser.parse_args()
     rows = [run_model("tiny", TINY, args), run_model("large", large_model(), args)]
     print(
         f"transport {args.transport}\n"
         "| model | bytes | stall p50 / p99 ms (commit p50) | mean step ms | update e2e p50 ms | "
-        "restart s (baseline) | restart / update | throughput with updates / none |"
+        "restart s (baseline) | restart / update | throughput with updates / none | "
+        "update GB/s e2e (memcpy GB/s) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
             f"| {r['model']} | {r['bytes']} | {r['stall_p50']:.2f} / {r['stall_p99']:.2f} "
             f"({r['commit_p50']:.2f}) | {r['step_ms']:.2f} | {r['e2e_p50']:.1f} | "
             f"{r['restart_s']:.1f} | {r['restart_s'] * 1000 / r['e2e_p50']:.0f}x | "
-            f"{r['throughput']:.3f} |"
+            f"{r['throughput']:.3f} | {r['bytes'] / r['e2e_p50'] / 1e6:.3f} "
+            f"({r['memcpy_gbs']:.2f}) |"
         )
 
 
