@@ -27,3 +27,16 @@ run_logged() {  # run a command, appending its output to $LOG; the progress line
 has_cuda_gpu() {
   command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
 }
+
+# NIXL (the art_nixl weight transfer) into venv $1, without its declared dependencies: the
+# `nixl` meta package requires both CUDA wheels and an unpinned torch. The backend wheel
+# follows torch's CUDA major (a CPU torch: nixl-cu12, whose UCX backend moves host memory).
+NIXL_VERSION=1.5.1
+install_nixl() {
+  local venv=$1 cuda
+  step "install nixl==$NIXL_VERSION with the backend wheel matching torch (--no-deps)"
+  cuda=$("$venv/bin/python" -c "import torch; print((torch.version.cuda or '12').split('.')[0])")
+  run_logged "$venv/bin/python" -m pip install --no-deps "nixl==$NIXL_VERSION" "nixl-cu$cuda==$NIXL_VERSION"
+  run_logged "$venv/bin/python" -c "from nixl._api import nixl_agent"
+  done_step
+}

@@ -26,13 +26,5 @@ done_step
 step "install art-pipeline (editable) with extras megatron,dev"
 run_logged "$VENV/bin/python" -m pip install -e ".[megatron,dev]"
 done_step
-# NIXL (the art_nixl weight transfer) without its declared dependencies: the `nixl` meta
-# package requires both CUDA wheels and an unpinned torch. The backend wheel follows torch's
-# CUDA major (a CPU torch: nixl-cu12, whose UCX backend moves host memory).
-NIXL_VERSION=1.5.1
-step "install nixl==$NIXL_VERSION with the backend wheel matching torch (--no-deps)"
-NIXL_CUDA=$("$VENV/bin/python" -c "import torch; print((torch.version.cuda or '12').split('.')[0])")
-run_logged "$VENV/bin/python" -m pip install --no-deps "nixl==$NIXL_VERSION" "nixl-cu$NIXL_CUDA==$NIXL_VERSION"
-run_logged "$VENV/bin/python" -c "from nixl._api import nixl_agent"
-done_step
+install_nixl "$VENV"  # scripts/_steps.sh
 echo "[train] ready: $VENV ($(du -sh "$VENV" | cut -f1))"
