@@ -21,7 +21,7 @@ export TOKENIZERS_PARALLELISM := false
 help:
 	@echo "make demo   - Pipeline RL end to end on the tiny model (vLLM server, Megatron trainer, rollouts)"
 	@echo "make demo-serve - serve the tiny model with --plugin art and show what the plugin does"
-	@echo "make test   - set up both environments and run every test"
+	@echo "make test   - set up the environments (vLLM 0.32, vLLM 0.34, Megatron) and run every test"
 	@echo "make lint   - ruff"
 	@echo "make tiny   - (re)generate the deterministic tiny model and adapters in $(TINY)"
 	@echo "make gpu-carry - prepare .gpu-carry/ (CUTLASS headers, pre-built kernels) for bench/gpu_check.sh"
