@@ -46,11 +46,12 @@ from completion_load import generate_until
 # (imported before `config` puts tests/ on sys.path: its art_megatron_ext/ would shadow ours)
 from art_megatron_ext.weights import GlooWeightSender, NixlWeightSender
 from art_protocol.client import ArtClient
+from art_protocol.weight_transfer import GLOO_BACKEND, NIXL_BACKEND
 from art_vllm_plugin import serve_process
 
 TINY = Path(".cache/tiny/model")
 #: `--transport` -> the server's weight-transfer engine
-BACKENDS = {"gloo": "art_gloo", "nixl": "art_nixl"}
+BACKENDS = {"gloo": GLOO_BACKEND, "nixl": NIXL_BACKEND}
 ROOT = Path(".cache/bench-weights")
 PROMPT = "the policy model learns from the reward and the trainer sends"
 LARGE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4}

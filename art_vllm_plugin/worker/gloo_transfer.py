@@ -28,24 +28,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from art_protocol.weight_transfer import DIGEST_BYTES, END, GROUP_PREFIX, ready_key
+from art_protocol.weight_transfer import DIGEST_BYTES, END, GLOO_BACKEND, GROUP_PREFIX, ready_key
 from art_protocol.weights_digest import WeightsDigest
-from art_vllm_plugin import compat
 from art_vllm_plugin.tensor_checks import all_finite
+from art_vllm_plugin.worker.store_engine import (
+    StoreInitInfo,
+    StoreWeightTransferEngine,
+    trainer_store,
+    transfer_rank,
+)
 from art_vllm_plugin.worker.stream_errors import StreamRefused
 
 __all__ = ["ArtGlooWeightTransferEngine", "GlooInitInfo", "GlooUpdateInfo", "StreamRefused"]
 
 
 @dataclass
-class GlooInitInfo:
+class GlooInitInfo(StoreInitInfo):
     """`init_info` of `POST /art/v1/weights/transfer/init` for this engine."""
-
-    master_address: str
-    master_port: int
-    world_size: int
-    rank_offset: int = 1
-    timeout_s: float = 600.0
 
 
 @dataclass
@@ -105,28 +104,11 @@ def receive_stream(group, store, rank: int, info: GlooUpdateInfo, sink) -> str:
     return got
 
 
-def transfer_rank(parallel, rank_offset: int, world_size: int) -> int:
-    """This worker's rank in the trainer's transfer group: `rank_offset + dp_index *
-    workers_per_engine + worker rank`, as vLLM's NCCL engine numbers them (the trainer is 0)."""
-    rank = rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
-    if not 0 < rank < world_size:
-        raise ValueError(
-            f"worker rank {rank} in the weight-transfer group does not fit world_size "
-            f"{world_size} (the trainer is rank 0; every worker of every engine needs a rank)"
-        )
-    return rank
-
-
-def _engine_base():
-    return compat.weight_transfer_engine_base()
-
-
-class ArtGlooWeightTransferEngine(_engine_base()):
+class ArtGlooWeightTransferEngine(StoreWeightTransferEngine):
     """The worker side of `art_gloo` (see the module docstring)."""
 
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
-    supports_draft_weight_update = False
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -136,44 +118,19 @@ class ArtGlooWeightTransferEngine(_engine_base()):
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         rank = transfer_rank(self.parallel_config, init_info.rank_offset, init_info.world_size)
-        timeout = datetime.timedelta(seconds=init_info.timeout_s)
-        dist = torch.distributed
-        store = dist.TCPStore(
-            init_info.master_address,
-            init_info.master_port,
-            is_master=False,
-            timeout=timeout,
-        )
-        self.group = dist.ProcessGroupGloo(
-            dist.PrefixStore(GROUP_PREFIX, store), rank, init_info.world_size, timeout
+        store = trainer_store(init_info)
+        self.group = torch.distributed.ProcessGroupGloo(
+            torch.distributed.PrefixStore(GROUP_PREFIX, store),
+            rank,
+            init_info.world_size,
+            datetime.timedelta(seconds=init_info.timeout_s),
         )
         self.store, self.rank = store, rank
 
-    def start_weight_update(self) -> None:
-        """vLLM's own route: layerwise reload straight into the model (no staging)."""
-        compat.initialize_layerwise_reload(self.model)
-
-    def finish_weight_update(self) -> None:
-        compat.finalize_layerwise_reload(self.model, self.model_config)
-
-    def update_weights(self, update_info: dict) -> None:
-        """As the base class, without its device synchronize (nothing here is asynchronous,
-        and a CPU host has no accelerator to synchronize)."""
-        self.receive_weights(self.parse_update_info(update_info))
-
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
-            raise RuntimeError(
-                "the art_gloo weight transfer is not initialized: POST "
-                "/art/v1/weights/transfer/init first"
-            )
-        receive_stream(
-            self.group,
-            self.store,
-            self.rank,
-            update_info,
-            lambda name, tensor: self.model.load_weights([(name, tensor)]),
-        )
+            raise self.not_initialized(GLOO_BACKEND)
+        receive_stream(self.group, self.store, self.rank, update_info, self.deliver)
 
     def shutdown(self) -> None:
         self.group = None

@@ -22,26 +22,23 @@ shard sink, `worker/base_weights.py`), and vLLM's own `/start_weight_update`,
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 
-import torch
-
-from art_vllm_plugin import compat
-from art_vllm_plugin.worker.gloo_transfer import GlooUpdateInfo, transfer_rank
+from art_protocol.weight_transfer import NIXL_BACKEND
+from art_vllm_plugin.worker.gloo_transfer import GlooUpdateInfo
+from art_vllm_plugin.worker.store_engine import (
+    StoreInitInfo,
+    StoreWeightTransferEngine,
+    trainer_store,
+    transfer_rank,
+)
 
 
 @dataclass
-class NixlInitInfo:
-    """`init_info` of `POST /art/v1/weights/transfer/init` for this engine: the trainer's
-    store, the group's size (the trainer and every worker of every engine), and how long a
-    worker waits for the next bucket before it ends the stream (`stall_timeout_s`)."""
+class NixlInitInfo(StoreInitInfo):
+    """`init_info` of `POST /art/v1/weights/transfer/init` for this engine: the store's, and how
+    long a worker waits for the next bucket before it ends the stream (`stall_timeout_s`)."""
 
-    master_address: str
-    master_port: int
-    world_size: int
-    rank_offset: int = 1
-    timeout_s: float = 600.0
     stall_timeout_s: float = 120.0
 
 
@@ -51,16 +48,11 @@ class NixlUpdateInfo(GlooUpdateInfo):
     request's `digest` when it named one (as `art_gloo`'s)."""
 
 
-def _engine_base():
-    return compat.weight_transfer_engine_base()
-
-
-class ArtNixlWeightTransferEngine(_engine_base()):
+class ArtNixlWeightTransferEngine(StoreWeightTransferEngine):
     """The worker side of `art_nixl` (see the module docstring)."""
 
     init_info_cls = NixlInitInfo
     update_info_cls = NixlUpdateInfo
-    supports_draft_weight_update = False
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -73,37 +65,15 @@ class ArtNixlWeightTransferEngine(_engine_base()):
         from art_vllm_plugin.worker.nixl_receiver import NixlReceiver
 
         rank = transfer_rank(self.parallel_config, init_info.rank_offset, init_info.world_size)
-        store = torch.distributed.TCPStore(
-            init_info.master_address,
-            init_info.master_port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=init_info.timeout_s),
-        )
+        store = trainer_store(init_info)
         self.shutdown()  # a second init (a new trainer) replaces the first
         workers = init_info.world_size - init_info.rank_offset
         self.receiver = NixlReceiver(store, rank, workers, self.device, init_info.stall_timeout_s)
 
-    def start_weight_update(self) -> None:
-        """vLLM's own route: layerwise reload straight into the model (no staging)."""
-        compat.initialize_layerwise_reload(self.model)
-
-    def finish_weight_update(self) -> None:
-        compat.finalize_layerwise_reload(self.model, self.model_config)
-
-    def update_weights(self, update_info: dict) -> None:
-        """As the base class, without its device synchronize (the receiver synchronizes its
-        device after each bucket, and a CPU host has no accelerator to synchronize)."""
-        self.receive_weights(self.parse_update_info(update_info))
-
     def receive_weights(self, update_info: NixlUpdateInfo) -> None:
         if self.receiver is None:
-            raise RuntimeError(
-                "the art_nixl weight transfer is not initialized: POST "
-                "/art/v1/weights/transfer/init first"
-            )
-        self.receiver.receive(
-            update_info, lambda name, tensor: self.model.load_weights([(name, tensor)])
-        )
+            raise self.not_initialized(NIXL_BACKEND)
+        self.receiver.receive(update_info, self.deliver)
 
     def shutdown(self) -> None:
         if self.receiver is not None:

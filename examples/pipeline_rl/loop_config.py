@@ -150,7 +150,9 @@ class LoopConfig:
     @property
     def transfer_backend(self) -> str:
         """The server's `--weight-transfer-config` backend of a streamed transport."""
-        return {"gloo": "art_gloo", "nixl": "art_nixl"}[self.transport]
+        from art_protocol.weight_transfer import GLOO_BACKEND, NIXL_BACKEND
+
+        return {"gloo": GLOO_BACKEND, "nixl": NIXL_BACKEND}[self.transport]
 
     @property
     def model_name(self) -> str:
