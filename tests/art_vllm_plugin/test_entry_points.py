@@ -3,17 +3,17 @@
 The `/art/*` routes and the metrics feed reach vLLM's endpoint and stat-logger plugin loading
 only when `art` is selected: as entry points of those groups they would be instantiated (stat
 logger) or warned about (endpoint) by every server that merely has the package installed.
-Each selection case runs in a fresh interpreter: loading patches process-global vLLM objects.
+Each selection case runs in a new process in which vLLM was imported and nothing else
+happened (loading patches process-global vLLM objects): forks of one interpreter that imported
+vLLM once (`support.vllm_forks`).
 """
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from importlib.metadata import entry_points
 
 import pytest
+from support.vllm_forks import Case, run_forked
 
 GROUPS = ("vllm.general_plugins", "vllm.endpoint_plugins", "vllm.stat_logger_plugins")
 
@@ -45,28 +45,32 @@ LOAD = textwrap.dedent(
 )
 
 
-def _load(vllm_plugins: str | None) -> dict:
-    env = dict(os.environ)
-    env.pop("VLLM_PLUGINS", None)
-    if vllm_plugins is not None:
-        env["VLLM_PLUGINS"] = vllm_plugins
-    proc = subprocess.run(
-        [sys.executable, "-c", LOAD], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+#: The selections loaded, each in a fork of its own (None: `VLLM_PLUGINS` unset).
+SELECTIONS = ("art", None, "lora_filesystem_resolver")
 
 
-def test_selected_plugin_reaches_vllm_endpoint_and_stat_logger_loading():
-    out = _load("art")
+@pytest.fixture(scope="module")
+def loaded() -> dict:
+    """What vLLM's plugin loading found, per selection."""
+    cases = [Case(LOAD, {"VLLM_PLUGINS": s}) for s in SELECTIONS]
+    done = run_forked(cases, ("vllm.plugins", "vllm.v1.metrics.loggers"))
+    out = {}
+    for selection, proc in zip(SELECTIONS, done, strict=True):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[selection] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def test_selected_plugin_reaches_vllm_endpoint_and_stat_logger_loading(loaded):
+    out = loaded["art"]
     assert out["general"] == ["art"]
     assert out["endpoint"] == {"art": "ArtEndpointPlugin"}
     assert out["stat_logger"] == ["ArtStatLogger"]
 
 
 @pytest.mark.parametrize("vllm_plugins", [None, "lora_filesystem_resolver"])
-def test_unselected_plugin_adds_no_endpoint_and_no_stat_logger(vllm_plugins):
-    out = _load(vllm_plugins)
+def test_unselected_plugin_adds_no_endpoint_and_no_stat_logger(loaded, vllm_plugins):
+    out = loaded[vllm_plugins]
     assert "art" not in out["endpoint"]
     assert "ArtStatLogger" not in out["stat_logger"]
 
