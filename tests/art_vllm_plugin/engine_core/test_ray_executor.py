@@ -41,16 +41,19 @@ from support.full_weights import (
     tokens,
 )
 from support.server_kinds import ray_cluster_of
-from support.step_hold import update_while_stepping
+from support.streamed_ride import ride_a_stream
 
 from art_protocol.spans import validate_spans
 
 pytestmark = [pytest.mark.serve, pytest.mark.changes_base_weights]
 
-#: Long enough that the update (a stage and a commit riding two batches) lands inside it.
-RIDE_TOKENS = 160
-#: Engine steps of the generation before the update is sent.
-STEPS_BEFORE_UPDATE = 4
+#: Room for the ridden generation (the test ends it once the update settled:
+#: tests/support/streamed_ride.py); prompt and tokens fit the server's 512-token context.
+RIDE_ROOM = 460
+#: Tokens of the generation streamed before the update is sent.
+TOKENS_BEFORE_UPDATE = 4
+#: Tokens of the new adapter the test sees before it ends the generation.
+NEW_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
@@ -76,42 +79,52 @@ def test_a_lora_update_while_stepping_rides_both_workers_and_labels_every_token(
     server, tiny_adapters
 ):
     base = _slot_version(server)
-    ids = prompt_ids(server)
-    old = tokens(server, 0, model="policy", max_tokens=RIDE_TOKENS)
     body = {
         "model": "policy",
-        "prompt": ids,
-        "max_tokens": RIDE_TOKENS,
+        "prompt": prompt_ids(server),
+        "max_tokens": RIDE_ROOM,
         "temperature": 0,
         "ignore_eos": True,
-        "return_token_ids": True,
     }
     update = {"slot": "policy", "path": str(tiny_adapters / "b"), "version": base + 1}
 
+    def settled(ride) -> bool:
+        """Stage, commit and the finish's final ride (the workers drop their undo copy) have
+        boarded batches, and tokens of the new adapter have arrived."""
+        return ride.rides() >= 3 and ride.tokens_of(base + 1) >= NEW_TOKENS
+
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-            return await update_while_stepping(
-                client,
-                lambda: client.post("/v1/completions", json=body),
-                STEPS_BEFORE_UPDATE,
-                update,
+            return await ride_a_stream(
+                client, body, update, tokens_before=TOKENS_BEFORE_UPDATE, settled=settled
             )
 
-    resp, upd, _, before, after = asyncio.run(run())
+    ride = asyncio.run(run())
+    upd = ride.update
     assert upd.status_code == 200, upd.text
     assert [(r["engine"], r["workers"]) for r in upd.json()["receipts"]] == [(0, [0, 1])]
     # stage, commit, and the final ride dropping the undo copy: all rode batches, none was sent
-    # as an RPC (the generation outlasts the update)
-    assert after["rides"]["stepped"] - before["rides"]["stepped"] == 3
-    assert after["rides"]["flushed"] == before["rides"]["flushed"]
-    assert resp.status_code == 200, resp.text
-    choice = resp.json()["choices"][0]
-    spans = validate_spans(choice, RIDE_TOKENS, latest_version=base + 1)
+    # as an RPC (the test ended the generation only after the last of them)
+    assert ride.rides() == 3
+    assert ride.rides("flushed") == 0
+    spans = validate_spans(ride.choice, len(ride.tokens), latest_version=base + 1)
     assert [(s["slot"], s["version"]) for s in spans] == [("policy", base), ("policy", base + 1)]
     k = spans[0]["end"]
-    assert choice["token_ids"][:k] == old[:k]
     # both workers serve adapter b now: the slot's greedy tokens are those of ref_b (adapter b)
     assert tokens(server, 0, model="policy") == tokens(server, 0, model="ref_b")
+    # the tokens before the split are adapter a's greedy tokens (a published again: no slot
+    # of this server holds it)
+    assert _publish(server, tiny_adapters / "a", base + 2) == 200
+    assert ride.tokens[:k] == tokens(server, 0, model="policy", max_tokens=k)
+
+
+def _publish(server, path, version: int) -> int:
+    resp = httpx.post(
+        server.url + "/art/v1/lora/update",
+        json={"slot": "policy", "path": str(path), "version": version},
+        timeout=300,
+    )
+    return resp.status_code
 
 
 @pytest.fixture(scope="module")

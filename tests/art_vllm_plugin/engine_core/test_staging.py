@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from support.adapters import copy_adapter, edit_config
 from support.greedy import PROMPT, greedy_tokens
-from support.step_hold import update_while_stepping
+from support.streamed_ride import ride_a_stream
 
 from art_protocol.client import ArtClient, ArtError, validate_spans
 from art_vllm_plugin import staging
@@ -29,12 +29,9 @@ from art_vllm_plugin.adapters import (
     validate_adapter,
 )
 
-#: Long enough that the update's stage and commit ride the generation's steps: with 160 a
-#: clean-clone `make test` (2026-12-07) saw the generation end before the update's stage (no
-#: ride: the update went as RPCs). Still a bound on the update's latency in engine steps, not a
-#: guarantee: see the closing note of that session (a streamed generation the test ends once
-#: the update answered would make it exact).
-RIDE_TOKENS = 400
+#: Room for the ridden generation (the test ends it once the update settled:
+#: tests/support/streamed_ride.py); prompt and tokens fit the server's 512-token context.
+RIDE_ROOM = 460
 
 
 def test_update_tensor_dtype_must_match_the_slots_tensor(tiny_adapters, tmp_path):
@@ -131,34 +128,39 @@ def test_a_commit_riding_a_step_that_fails_on_one_rank_never_reaches_a_forward(
     body = {
         "model": "policy",
         "prompt": PROMPT,
-        "max_tokens": RIDE_TOKENS,
+        "max_tokens": RIDE_ROOM,
         "temperature": 0,
         "ignore_eos": True,
-        "return_token_ids": True,
     }
-    baseline = httpx.post(server.url + "/v1/completions", json=body, timeout=300).json()
     armed = httpx.post(
         server.url + "/art/v1/test/fault", json={"kind": "commit", "rank": 1}, timeout=60
     )
     assert armed.status_code == 200, armed.text
     update = {"slot": "policy", "path": str(tiny_adapters / "b"), "version": before_version + 1}
 
+    def settled(ride) -> bool:
+        """Stage and commit rode batches, and the failed commit has been counted."""
+        return ride.rides() >= 2 and ride.after["failed_commits"] > ride.before["failed_commits"]
+
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-            return await update_while_stepping(
-                client, lambda: client.post("/v1/completions", json=body), 2, update
-            )
+            return await ride_a_stream(client, body, update, tokens_before=2, settled=settled)
 
-    resp, upd, _, before, after = asyncio.run(run())
+    ride = asyncio.run(run())
+    upd = ride.update
     assert upd.status_code == 500, upd.text
     assert "injected commit failure on rank 1" in upd.text
     assert "every worker restored its previous weights" in upd.text
-    assert after["rides"]["stepped"] - before["rides"]["stepped"] == 2  # stage and commit
-    assert after["failed_commits"] == before["failed_commits"] + 1
-    assert resp.status_code == 200, resp.text
-    choice = resp.json()["choices"][0]
-    assert choice["token_ids"] == baseline["choices"][0]["token_ids"]
-    spans = validate_spans(choice, RIDE_TOKENS, latest_version=before_version)
+    assert ride.rides() == 2  # stage and commit
+    assert ride.after["failed_commits"] == ride.before["failed_commits"] + 1
+    # the old weights' greedy tokens, as long as the streamed generation ran
+    baseline = httpx.post(
+        server.url + "/v1/completions",
+        json={**body, "max_tokens": len(ride.tokens), "return_token_ids": True},
+        timeout=300,
+    ).json()
+    assert ride.tokens == baseline["choices"][0]["token_ids"]
+    spans = validate_spans(ride.choice, len(ride.tokens), latest_version=before_version)
     assert [(s["slot"], s["version"]) for s in spans] == [("policy", before_version)]
     assert _version(art) == before_version
     assert greedy_tokens(server.url) == greedy_tokens(server.url, "policy")
