@@ -186,7 +186,38 @@ def validate_adapter_files(
     from safetensors.torch import load as load_safetensors
 
     cfg = _parse_config(files)
-    cfg_path = files.path / CONFIG_FILE
+    header = _parse_header(files)
+    layout = {
+        k: (v["dtype"], tuple(int(d) for d in v["shape"]))
+        for k, v in header.items()
+        if k != "__metadata__"
+    }
+    signature = check_layout(cfg, files.path, layout, slot, reference, max_rank)
+    weights = files.path / WEIGHTS_FILE
+    try:
+        tensors = load_safetensors(files.weights)
+    except Exception as exc:  # safetensors raises its own error types for bad data
+        raise AdapterError(f"{weights}: cannot read tensors ({exc})") from exc
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        if not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise AdapterError(f"{weights}: tensor {name} has {bad} non-finite values")
+    return signature
+
+
+def check_layout(
+    cfg: dict,
+    path: Path,
+    layout: dict[str, tuple[str, tuple[int, ...]]],
+    slot: str,
+    reference: AdapterSignature,
+    max_rank: int,
+) -> AdapterSignature:
+    """Everything but the values: the config `cfg` and the tensors' (safetensors dtype code,
+    shape) by name against the slot. Checked before a streamed adapter's first byte moves
+    (its plan), and as part of `validate_adapter_files`."""
+    cfg_path = path / CONFIG_FILE
     rank = _rank_of(cfg, cfg_path)
     if rank > max_rank:
         raise AdapterError(f"{cfg_path}: r={rank} exceeds the server's --max-lora-rank {max_rank}")
@@ -196,9 +227,8 @@ def validate_adapter_files(
             f"{cfg_path}: target_modules {sorted(targets)} differ from slot {slot!r}'s "
             f"{sorted(reference.target_modules)}"
         )
-    weights = files.path / WEIGHTS_FILE
-    header = _parse_header(files)
-    names = {k for k in header if k != "__metadata__"}
+    weights = path / WEIGHTS_FILE
+    names = set(layout)
     missing = sorted(set(reference.shapes) - names)
     extra = sorted(names - set(reference.shapes))
     if missing:
@@ -206,11 +236,10 @@ def validate_adapter_files(
     if extra:
         raise AdapterError(f"{weights}: unexpected tensor {extra[0]} for slot {slot!r}")
     for name in sorted(names):
-        shape = tuple(int(d) for d in header[name]["shape"])
+        dtype, shape = layout[name]
         want = _expected_shape(name, reference.shapes[name], rank)
         if shape != want:
             raise AdapterError(f"{weights}: tensor {name} has shape {shape}, expected {want}")
-        dtype = header[name]["dtype"]
         if dtype not in FLOAT_DTYPES:
             raise AdapterError(
                 f"{weights}: tensor {name} has dtype {dtype}, expected one of "
@@ -222,15 +251,6 @@ def validate_adapter_files(
                 f"{weights}: tensor {name} has dtype {dtype}, but slot {slot!r}'s tensor is "
                 f"{want_dtype} ({_SAFETENSORS_DTYPE_NAMES.get(want_dtype, want_dtype)})"
             )
-    try:
-        tensors = load_safetensors(files.weights)
-    except Exception as exc:  # safetensors raises its own error types for bad data
-        raise AdapterError(f"{weights}: cannot read tensors ({exc})") from exc
-    for name in sorted(tensors):
-        tensor = tensors[name]
-        if not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise AdapterError(f"{weights}: tensor {name} has {bad} non-finite values")
     return AdapterSignature(rank, targets, reference.shapes, reference.dtypes)
 
 

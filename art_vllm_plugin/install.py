@@ -73,6 +73,7 @@ def install_engine_core() -> None:
     """EngineCore: utility calls, cache salting, batch labels, CPU layout."""
     from art_vllm_plugin.engine_core import (
         abandoned_updates,
+        adapter_streams,
         base_updates,
         batch_stamps,
         blocked_slots,
@@ -90,6 +91,8 @@ def install_engine_core() -> None:
 
     compat.add_all(P.SLOT_UPDATE_UTILITIES, slot_updates)
     compat.add_all(P.BASE_UPDATE_UTILITIES, base_updates)
+    # A streamed LoRA adapter: every worker receives it, one writes it (then a push's update).
+    compat.add_all(P.ADAPTER_STREAM_UTILITIES, adapter_streams)
     # Engines on another host stage from bytes sent in the call (relayed_stages.py).
     compat.add_all(P.RELAYED_STAGE_UTILITIES, relayed_stages)
     # Slot updates ride the next step; an engine that will not step sends them as an RPC.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import ipaddress
 import time
 import uuid
@@ -132,7 +133,7 @@ class StreamSender:
         when `produce` strays from the plan (the stream is then cut short and the update
         refused)."""
         plan = make_plan(tensors)
-        answer = self._http.submit(
+        post = functools.partial(
             self.client.update_weights_stream,
             plan,
             version,
@@ -141,6 +142,46 @@ class StreamSender:
             digest=digest,
             timeout=timeout_s,
         )
+        return self._send(plan, post, produce, timeout_s)
+
+    def send_adapter(
+        self,
+        slot: str,
+        version: int,
+        adapter_config: dict,
+        tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        produce: Produce,
+        *,
+        operation_id: str | None = None,
+        expected_version: int | None = None,
+        digest: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> dict:
+        """Publish `version` of LoRA slot `slot` over the same group: `adapter_config` is the
+        adapter's adapter_config.json as a dict, `tensors` the plan of its tensors in PEFT's
+        names ((name, dtype, shape) each, as the slot's adapter has them), `produce(sink)`
+        hands each over as for `send`. No file is written here and none is sent over HTTP
+        (`art_protocol.adapter_stream`). Returns the server's response (a LoRA update's);
+        raises as `send`."""
+        plan = make_plan(tensors)
+        post = functools.partial(
+            self.client.update_lora_stream,
+            plan,
+            slot,
+            version,
+            adapter_config,
+            operation_id=operation_id,
+            expected_version=expected_version,
+            digest=digest,
+            timeout=timeout_s,
+        )
+        return self._send(plan, post, produce, timeout_s)
+
+    def _send(
+        self, plan: TransferPlan, post: Callable[[], dict], produce: Produce, timeout_s: float
+    ) -> dict:
+        """`post()` the update on a thread, stream once every worker is receiving."""
+        answer = self._http.submit(post)
         self._wait_ready(plan, answer, timeout_s)
         try:
             self._stream(plan, produce, answer)

@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 
+from art_protocol.adapter_stream import adapter_stream_body
 from art_protocol.push import AdapterBytes, multipart_files
 from art_protocol.updates import ROUTE as UPDATE_ROUTE
 from art_protocol.updates import UpdateRequest
@@ -124,6 +125,27 @@ class ArtClient:
         request = UpdateRequest(BASE_SLOT, None, version, operation_id, expected_version, digest)
         body = {**body_of(request), "transfer": plan.to_json()}
         return self._json(self._http.post(WEIGHTS_ROUTE, json=body, timeout=timeout))
+
+    def update_lora_stream(
+        self,
+        plan: TransferPlan,
+        slot: str,
+        version: int,
+        adapter_config: dict,
+        *,
+        operation_id: str | None = None,
+        expected_version: int | None = None,
+        digest: str | None = None,
+        timeout: float | None = None,
+    ) -> dict:
+        """Publish an adapter to a slot whose tensors the trainer streams over the transfer
+        group (`plan`; `adapter_config`: its adapter_config.json as a dict;
+        `art_protocol.adapter_stream`). Blocks until the update committed or was refused, so
+        the stream is sent meanwhile, from another thread (`StreamSender.send_adapter` does
+        this). Answers as `update`."""
+        request = UpdateRequest(slot, None, version, operation_id, expected_version, digest)
+        body = adapter_stream_body(request, plan, adapter_config)
+        return self._json(self._http.post(UPDATE_ROUTE, json=body, timeout=timeout))
 
     def weights(self) -> dict:
         """The base weights the server serves: {version, digest, updates, blocked, ...}."""

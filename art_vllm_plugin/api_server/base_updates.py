@@ -108,6 +108,9 @@ class BaseUpdater:
         self.served_dir = served_dir
         self.model = model
         self._lock = asyncio.Lock()
+        #: Held while a stream runs over the transfer group (full weights here, a LoRA
+        #: adapter in `adapter_stream`): the group carries one stream at a time.
+        self.stream_lock = asyncio.Lock()
         #: The update staging now and how far it got (`GET /art/v1/weights`).
         self.progress = StageProgress(
             self.engine_client, self.engines, stall_timeout_s, self.view.sole_api_server
@@ -247,7 +250,7 @@ class BaseUpdater:
         fingerprint = req.fingerprint(f"stream of {len(plan.names)} tensors")
         if req.operation_id is None:
             fingerprint = None
-        async with self._lock:
+        async with self._lock, self.stream_lock:
             admitted = await self.coordinator.admit(req, token, fingerprint)
             if not admitted["ok"]:
                 return admitted["replayed"]

@@ -7,6 +7,7 @@ import os
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from art_protocol.adapter_stream import is_adapter_stream, parse_adapter_stream
 from art_protocol.updates import UpdateRequestError
 from art_protocol.weight_updates import is_transfer, parse_transfer_update, parse_weights_update
 from art_vllm_plugin import compat, features, install
@@ -62,11 +63,12 @@ async def slots(request: Request) -> list[dict]:
 async def lora_update(request: Request):
     """Write a new adapter into a slot between two engine steps and bump its version.
 
-    JSON names the adapter's path; `multipart/form-data` pushes its files
+    JSON names the adapter's path, or with `transfer` the trainer streams its tensors
+    (`api_server/adapter_stream.py`); `multipart/form-data` pushes its files
     (`api_server/adapter_push.py`)."""
     art = request.app.state.art
     push = adapter_push.is_push(request.headers.get("content-type"))
-    pushed = None
+    pushed = plan = config = None
     try:
         if push:
             pushed = await adapter_push.receive(
@@ -78,11 +80,19 @@ async def lora_update(request: Request):
                 body = await request.json()
             except ValueError as exc:
                 raise UpdateError(400, f"body is not valid JSON: {exc}") from exc
-            update = parse_update(body)
+            if is_adapter_stream(body):
+                try:
+                    update, plan, config = parse_adapter_stream(body)
+                except UpdateRequestError as exc:
+                    raise UpdateError(400, str(exc)) from exc
+            else:
+                update = parse_update(body)
     except UpdateError as exc:
         art.updates.failed_unattributed += 1
         return _error(exc.status, exc.message)
     try:
+        if plan is not None:
+            return await art.adapter_streams.update(update, plan, config)
         return await art.updates.update(update, pushed)  # owns `pushed` from here on
     except UpdateError as exc:
         return _error(exc.status, exc.message)

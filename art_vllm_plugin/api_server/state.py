@@ -22,6 +22,7 @@ from typing import Any
 
 from art_vllm_plugin import compat, staging
 from art_vllm_plugin.api_server import aliases, slot_publish
+from art_vllm_plugin.api_server.adapter_stream import AdapterStreams
 from art_vllm_plugin.api_server.auth import configured_keys
 from art_vllm_plugin.api_server.base_updates import BaseUpdater, served_checkpoint
 from art_vllm_plugin.api_server.body_limits import DEFAULT_MAX_BODY_BYTES
@@ -65,6 +66,8 @@ class ApiServerState:
     updates: UpdateCoordinator
     #: Full-weight updates (`/art/v1/weights/update`).
     base_updates: BaseUpdater
+    #: LoRA updates whose adapter the trainer streams (`transfer` in `/art/v1/lora/update`).
+    adapter_streams: AdapterStreams
     api_key_digests: list[bytes]
     #: The server's configuration as the capability table sees it (set once at start).
     facts: ServerFacts | None = None
@@ -110,6 +113,13 @@ class ApiServerState:
         pushed_copies.sweep()
         updates = UpdateCoordinator(view, max_rank, paths, staging_config, pushed_copies)
         model = engine_client.vllm_config.model_config.model
+        base_updates = BaseUpdater(
+            updates,
+            served_checkpoint(model),
+            model,
+            staging_budget=getattr(args, "art_weights_staging_bytes", None),
+            stall_timeout_s=getattr(args, "art_weights_stall_timeout", None) or DEFAULT_STALL_S,
+        )
         return cls(
             engine_client=engine_client,
             args=args,
@@ -117,13 +127,8 @@ class ApiServerState:
             serving_models=serving_models,
             slots=view,
             updates=updates,
-            base_updates=BaseUpdater(
-                updates,
-                served_checkpoint(model),
-                model,
-                staging_budget=getattr(args, "art_weights_staging_bytes", None),
-                stall_timeout_s=getattr(args, "art_weights_stall_timeout", None) or DEFAULT_STALL_S,
-            ),
+            base_updates=base_updates,
+            adapter_streams=AdapterStreams(updates, base_updates.stream_lock),
             api_key_digests=configured_keys(getattr(args, "api_key", None)),
             allow_unauthenticated=bool(getattr(args, "art_allow_unauthenticated", False)),
             max_body_bytes=int(getattr(args, "art_max_body_bytes", DEFAULT_MAX_BODY_BYTES)),

@@ -152,6 +152,14 @@ BASE_UPDATE_UTILITIES = adds(
     "streamed version costs each worker, keep a long stage that progresses alive, and say how "
     "far its workers got",
 )
+ADAPTER_STREAM_UTILITIES = adds(
+    _ENGINE,
+    "EngineCore",
+    ("art_receive_adapter",),
+    by="engine_core.adapter_streams",
+    why="utility call that has every worker receive a LoRA adapter the trainer streams, one "
+    "of them writing it where the API server stages it (the update then goes as a push)",
+)
 RELAYED_STAGE_UTILITIES = adds(
     _ENGINE,
     "EngineCore",

@@ -122,7 +122,7 @@ class _ShardSink:
         return self.stage.names
 
 
-def _update_info(engine, plan: dict, digest: str | None) -> dict:
+def stream_update_info(engine, plan: dict, digest: str | None) -> dict:
     """The engine's update info for a plan: vLLM's (`names`, `dtype_names`, `shapes`), plus
     `round` and `digest` where the engine's info takes them (`art_gloo`)."""
     info = {"names": plan["names"], "dtype_names": plan["dtypes"], "shapes": plan["shapes"]}
@@ -163,7 +163,8 @@ def _stage_stream(worker, staged: StagedBase, plan: dict, digest, marker_dir: st
         model_config = compat.worker_model_runner(worker).vllm_config.model_config
         engine.set_weight_update_target(sink, model_config)
         try:
-            engine.receive_weights(engine.parse_update_info(_update_info(engine, plan, digest)))
+            info = stream_update_info(engine, plan, digest)
+            engine.receive_weights(engine.parse_update_info(info))
         finally:
             engine.reset_weight_update_target()
             sink.stage.seal()

@@ -28,7 +28,12 @@ import time
 
 from art_vllm_plugin import compat, staging
 from art_vllm_plugin.compat.step_rides import worker_engine_cpu_groups
-from art_vllm_plugin.worker import base_weights, engine_agreement, lora_slot_writer
+from art_vllm_plugin.worker import (
+    adapter_receive,
+    base_weights,
+    engine_agreement,
+    lora_slot_writer,
+)
 from art_vllm_plugin.worker.state import worker_state
 
 #: Ride kinds, as EngineCore sends them: (kind, token, args).
@@ -41,6 +46,9 @@ FINAL = "final"
 #: A full-weight update's stage and commit (`base_weights`); ABORT and FINAL serve both kinds.
 BASE_STAGE = "base_stage"
 BASE_COMMIT = "base_commit"
+#: A LoRA adapter the trainer streams: received, and written where the API server said
+#: (`adapter_receive`); the update then stages from those files as a push does.
+RECEIVE = "receive"
 
 
 def run(worker, rides: list[tuple]) -> list[dict | None]:
@@ -71,6 +79,13 @@ def run(worker, rides: list[tuple]) -> list[dict | None]:
                 base_weights.commit_locked, label=args[0], previous_dir=args[1]
             )
             results.append(_commit_everywhere(worker, token, commit, base_weights.rollback_locked))
+        elif kind == RECEIVE:
+            plan, marker_dir, write_dir = args
+            start = functools.partial(
+                adapter_receive.receive, worker, token, plan, marker_dir, write_dir
+            )
+            _start_staging(worker, marker_dir, start)
+            results.append(None)
         elif kind == ABORT:
             lora_slot_writer.art_abort_lora_update(worker, token)
             worker_state(worker).staged_base.pop(token, None)
