@@ -24,12 +24,19 @@ import httpx
 import psutil
 import pytest
 from support.adapters import make_bad_adapters
-from support.step_hold import engine_steps, update_after_steps, update_while_stepping
+from support.step_hold import engine_steps, update_after_steps
+from support.streamed_ride import ride_a_stream
 
 from art_protocol.client import ArtClient, ArtError, SpanError, validate_spans
 
 PROMPT = "the policy model learns from the reward and the trainer sends"
-LONG = 460
+#: Tokens of a generation an update lands in: the engine holds itself after
+#: STEPS_BEFORE_UPDATE steps, so the boundary is within the first dozen tokens and the 8 tokens
+#: after it (which the new weights must change) fit (460 before: 3x the CPU, same checks).
+LONG = 48
+#: Room for the generation the ride test ends itself (tests/support/streamed_ride.py): prompt
+#: and tokens fit the server's 512-token context.
+RIDE_ROOM = 460
 #: Engine steps the generation runs before the test pauses it and publishes an update.
 STEPS_BEFORE_UPDATE = 8
 
@@ -155,38 +162,40 @@ def test_update_while_the_engine_steps_rides_its_batches(server, art, versions, 
     are the old weights', the ones from the batch that carried the commit the new ones'."""
     reset = _reset_to(art, tiny_adapters / "a", versions)
     reset()
-    baseline = complete(server, max_tokens=LONG)["choices"][0]["token_ids"]
     body = {
         "model": "policy",
         "prompt": PROMPT,
-        "max_tokens": LONG,
+        "max_tokens": RIDE_ROOM,
         "temperature": 0,
         "ignore_eos": True,
-        "return_token_ids": True,
     }
     v_before, v_new = _version(art), versions()
     update = {"slot": "policy", "path": str(tiny_adapters / "b"), "version": v_new}
 
+    def settled(ride) -> bool:
+        """Stage, commit and the finish's final ride (the workers drop their undo copy) went
+        to the workers, and the 8 tokens after the switch have arrived."""
+        return ride.rides() + ride.rides("flushed") >= 3 and ride.tokens_of(v_new) >= 8
+
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-            return await update_while_stepping(
-                client, lambda: client.post("/v1/completions", json=body), 2, update
-            )
+            return await ride_a_stream(client, body, update, tokens_before=2, settled=settled)
 
-    resp, upd, s0, before, after = asyncio.run(run())
-    assert resp.status_code == 200 and upd.status_code == 200, (resp.text, upd.text)
-    stepped = after["rides"]["stepped"] - before["rides"]["stepped"]
-    flushed = after["rides"]["flushed"] - before["rides"]["flushed"]
+    ride = asyncio.run(run())
+    upd, before, after = ride.update, ride.before, ride.after
+    assert upd.status_code == 200, upd.text
+    stepped, flushed = ride.rides(), ride.rides("flushed")
     # Stage and commit rode batches (no RPC while the engine stepped); the finish's final ride
     # (the workers drop their undo copy) rides the next batch, or goes as one RPC if the
     # generation ended first: nothing was left to drain then.
     assert stepped >= 2 and stepped + flushed == 3, (stepped, flushed)
-    choice = resp.json()["choices"][0]
-    tokens = choice["token_ids"]
-    spans = validate_spans(choice, LONG, latest_version=v_new)
+    tokens = ride.tokens
+    spans = validate_spans(ride.choice, len(tokens), latest_version=v_new)
     assert [(s["slot"], s["version"]) for s in spans] == [("policy", v_before), ("policy", v_new)]
     k = spans[0]["end"]
-    assert k == upd.json()["step"] - s0
+    assert k == upd.json()["step"] - ride.s0
+    # adapter a's greedy tokens (ref_a serves it; the slot served it before the switch)
+    baseline = complete(server, "ref_a", max_tokens=len(tokens))["choices"][0]["token_ids"]
     assert tokens[:k] == baseline[:k]
     assert tokens[k : k + 8] != baseline[k : k + 8], "new weights must change the next tokens"
     assert after["label_mismatches"] == before["label_mismatches"]
@@ -210,7 +219,7 @@ def test_step_labels_come_from_the_workers_and_agree_with_the_engine(
 
 #: Tokens per choice of the n=4 test: the update lands after STEPS_BEFORE_UPDATE engine steps
 #: (the engine holds itself there), so each child's boundary is within its first dozen tokens;
-#: LONG tokens x 4 choices x 2 runs took 47 s under MRV2 for the same check.
+#: 460 tokens x 4 choices x 2 runs took 47 s under MRV2 for the same check.
 N4_TOKENS = 48
 
 
