@@ -6,7 +6,8 @@ Public API (see docs/lora.md):
 - `activate_slot(model, name)` chooses the slot for forward passes (survives recompute);
   `add_slot`, `load_slot`, `drop_slot` manage slots model-wide.
 - `iter_lora_sites(model)`, `zero_lora_padding_(model, optimizer=None)`.
-- `export_peft(model, slot, out_dir, base_model_name_or_path)` and `import_peft(...)`.
+- `export_peft(model, slot, out_dir, base_model_name_or_path)` and `import_peft(...)`;
+  `peft_adapter(...)`: the same tensors and config in memory, for a streamed update.
 - `finish_lora_param_sync(model)` before reading trained LoRA weights under Megatron DDP's
   `overlap_param_gather` (export and dist-checkpoint saves call it themselves);
   `apply_slot_training(model, SlotTraining(trained=..., frozen=...))` before DDP wraps it.
@@ -14,7 +15,7 @@ Public API (see docs/lora.md):
 
 from .attach import BypassedLinear, UnsupportedLinear, attach_lora
 from .config import DEFAULT_SLOT, KNOWN_TARGETS, LoraConfig, LoraPadding
-from .export import export_peft
+from .export import export_peft, peft_adapter
 from .hf_layout import HfNaming
 from .site import LoraSite, NoActiveSlot, SlotHasLiveGradients
 from .sites import (
@@ -54,6 +55,7 @@ __all__ = [
     "finish_lora_param_sync",
     "import_peft",
     "iter_lora_sites",
+    "peft_adapter",
     "trained_slots",
     "zero_lora_padding_",
 ]

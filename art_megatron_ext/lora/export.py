@@ -11,11 +11,12 @@ renamed, so a reader never sees half a directory).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
+
+from art_protocol.adapter_stream import config_bytes
 
 from .hf_layout import PEFT_PREFIX, HfNaming, hf_modules, split_fused_b
 from .padding import logical_view
@@ -175,6 +176,31 @@ def adapter_config(rank: int, alpha: float, targets: list[str], base: str) -> di
     }
 
 
+def peft_adapter(
+    model: torch.nn.Module,
+    slot: str,
+    base_model_name_or_path: str,
+    *,
+    naming: HfNaming | None = None,
+    dtype: torch.dtype | None = None,
+    dst: int = 0,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """(HF key -> host tensor, `adapter_config.json` as a dict) of slot `slot`, as
+    `export_peft` writes them, on global rank `dst` (the other ranks get ({}, {})): what a
+    trainer streams to the server (`StreamSender.send_adapter`) instead of writing files.
+    Collective over the default process group when one is initialized. `dtype` casts the
+    tensors (default: the parameters' dtype)."""
+    tensors, shape = collect_peft_tensors(model, slot, naming, dst=dst)
+    if _dist() and torch.distributed.get_rank() != dst:
+        return {}, {}  # rank `dst` alone received the tensors
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    tensors = {k: v.contiguous().cpu() for k, v in sorted(tensors.items())}
+    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors})
+    config = adapter_config(shape["r"], shape["lora_alpha"], targets, base_model_name_or_path)
+    return tensors, config
+
+
 def export_peft(
     model: torch.nn.Module,
     slot: str,
@@ -191,20 +217,15 @@ def export_peft(
     """
     from safetensors.torch import save_file
 
-    tensors, shape = collect_peft_tensors(model, slot, naming, dst=0)
+    tensors, config = peft_adapter(model, slot, base_model_name_or_path, naming=naming, dtype=dtype)
     out = Path(out_dir)
     if _dist() and torch.distributed.get_rank() != 0:
         return out  # rank 0 alone received the tensors
-    if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
-    tensors = {k: v.contiguous().cpu() for k, v in sorted(tensors.items())}
-    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors})
-    config = adapter_config(shape["r"], shape["lora_alpha"], targets, base_model_name_or_path)
     out.mkdir(parents=True, exist_ok=True)
     tmp_weights = out / ".adapter_model.safetensors.tmp"
     tmp_config = out / ".adapter_config.json.tmp"
     save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
-    tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tmp_config.write_bytes(config_bytes(config))  # as the server writes a streamed one
     os.replace(tmp_weights, out / "adapter_model.safetensors")
     os.replace(tmp_config, out / "adapter_config.json")
     return out

@@ -76,11 +76,12 @@ class LoopConfig:
     #: full-weight updates (`/art/v1/weights/update`), rollouts on the base model
     update: str = "lora"
     full_lr: float = 2e-3  # Adam's learning rate when every weight trains (`update="full"`)
-    #: How full-weight versions travel: "files" (RUN_DIR/weights/v<N>, read by the server),
-    #: "gloo" (streamed to the server's workers over the art_gloo weight-transfer group) or
-    #: "nixl" (the art_nixl engine: the workers READ the trainer's registered buckets over
-    #: NIXL; `pip install 'art-pipeline[nixl]'` on both sides); streamed, the server reads
-    #: nothing of RUN_DIR
+    #: How versions travel: "files" (RUN_DIR/adapters or RUN_DIR/weights/v<N>, read by the
+    #: server; with `push` the adapter's files go in the request), "gloo" (streamed to the
+    #: server's workers over the art_gloo weight-transfer group) or "nixl" (the art_nixl
+    #: engine: the workers READ the trainer's registered buckets over NIXL; `pip install
+    #: 'art-pipeline[nixl]'` on both sides); streamed, the server reads nothing of RUN_DIR.
+    #: Full weights and LoRA adapters alike (an adapter's stream: `send_adapter`)
     transport: str = "files"
     #: streamed (`transport` "gloo" or "nixl"): the address the server's workers reach the
     #: trainer's rank 0 at (it hosts the group there: `GlooWeightSender.connect(host=)`,
@@ -102,9 +103,10 @@ class LoopConfig:
             )
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.transport != "files" and self.update != "full":
+        if self.transport != "files" and self.push:
             raise ValueError(
-                f"--transport {self.transport} streams full weights: it needs --update full"
+                f"--push sends each version's files in the request; --transport "
+                f"{self.transport} streams its tensors instead: give one of them"
             )
         if self.stream_keep not in STREAM_KEEP:
             raise ValueError(f"stream_keep must be one of {STREAM_KEEP}, got {self.stream_keep!r}")

@@ -18,7 +18,8 @@ it wrote included). With `--transport gloo` nothing is written: rank 0 takes a h
 weights in the served model's names (`stream_hf_weights`, a layer at a time) and streams it to
 the server's workers on the background thread (`GlooWeightSender`, connected on the first
 publish at `cfg.trainer_host`, the address the workers reach the trainer at), so the server
-needs no access to the trainer's files.
+needs no access to the trainer's files. A LoRA version streams the same way with `--transport`
+(`peft_adapter` in rank 0's memory, `send_adapter`): no file, no HTTP body.
 """
 
 from __future__ import annotations
@@ -50,6 +51,24 @@ class StreamReady:
     @property
     def digest(self) -> str | None:
         return self.kept.digest
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterStreamReady:
+    """A LoRA version in rank 0's memory for its stream (`--transport gloo|nixl`): the
+    adapter's tensors in PEFT's names and its config, as `export_peft` would write them."""
+
+    slot: str
+    version: int
+    tensors: dict
+    config: dict
+
+    def plan(self) -> list[tuple]:
+        return [(name, t.dtype, tuple(t.shape)) for name, t in self.tensors.items()]
+
+    def produce(self, sink) -> None:
+        for name, tensor in self.tensors.items():
+            sink(name, tensor)
 
 
 #: Workers of the example's server (one engine, one worker): every one joins the group.
@@ -113,10 +132,14 @@ class Publisher:
         sender = None
         kind = {"gloo": GlooWeightSender, "nixl": NixlWeightSender}[transport]
 
-        def stream(ready: StreamReady) -> dict:
+        def stream(ready: StreamReady | AdapterStreamReady) -> dict:
             nonlocal sender
             if sender is None:
                 sender = kind.connect(art, workers=SERVER_WORKERS, host=host, timeout_s=300)
+            if isinstance(ready, AdapterStreamReady):
+                return sender.send_adapter(
+                    ready.slot, ready.version, ready.config, ready.plan(), ready.produce
+                )
             plan = ready.kept.plan()
             try:
                 return sender.send(ready.version, plan, ready.kept.produce, digest=ready.digest)
@@ -139,6 +162,14 @@ class Publisher:
         out = self.cfg.path / "weights" / f"v{version}" if where == "files" else None
         kept = keep_version(ddp.module, self.shape, where, out_dir=out, send=lead)
         return StreamReady(kept, version)
+
+    def _snapshot_lora(self, model, version: int) -> AdapterStreamReady:
+        """Collective: every rank finishes the LoRA parameters' all-gather, rank 0 keeps the
+        adapter in memory (`peft_adapter`); nothing is written."""
+        from art_megatron_ext.lora import peft_adapter
+
+        tensors, config = peft_adapter(model, self.cfg.slot, self.cfg.hf_model)
+        return AdapterStreamReady(self.cfg.slot, version, tensors, config)
 
     def _export_full(self, ddp, version: int) -> FullReady:
         """Collective: every rank finishes the parameter all-gather and streams; rank 0 writes."""
@@ -166,10 +197,12 @@ class Publisher:
         """Collective: export `version` (every rank), publish it in the background (rank 0)."""
         from art_megatron_ext.lora.publish_ready import export_ready
 
-        if self.cfg.streamed:
+        if self.cfg.streamed and self.cfg.full:
             ready = self._snapshot_full(model, version)
         elif self.cfg.full:
             ready = self._export_full(model, version)
+        elif self.cfg.streamed:
+            ready = self._snapshot_lora(model, version)
         else:
             ready = export_ready(
                 model,

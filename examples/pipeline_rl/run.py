@@ -116,6 +116,14 @@ def full_server_args(cfg: LoopConfig) -> list[str]:
     ]
 
 
+def _lora_source(cfg: LoopConfig) -> tuple[str, ...]:
+    """Where the server gets each adapter version: RUN_DIR (an adapter root), the request
+    (`--push`: no root), or the trainer's stream (`--transport`: its engine, no root)."""
+    if cfg.streamed:
+        return ("--weight-transfer-config", json.dumps({"backend": cfg.transfer_backend}))
+    return () if cfg.push else ("--art-adapter-root", cfg.run_dir)
+
+
 def server_config(cfg: LoopConfig) -> serve_process.ServeConfig:
     """The tiny model in float32 (the trainer computes in float32: equal dtypes are what makes
     fresh-token ratios 1 up to kernel rounding), slot `policy` (and `shadow`, the wrong slot a
@@ -130,7 +138,7 @@ def server_config(cfg: LoopConfig) -> serve_process.ServeConfig:
         "--lora-modules",
         f"{cfg.slot}={cfg.init_adapter}",
         "shadow=" + cfg.init_adapter,
-        *(() if cfg.push else ("--art-adapter-root", cfg.run_dir)),
+        *_lora_source(cfg),
         "--max-num-seqs",
         "64",
         "--max-cpu-loras",

@@ -124,13 +124,15 @@ def test_the_age_filter_acts_per_token():
     assert drops["stale"] == 1 and drops["stale_tokens"] == 4 + 8
 
 
-def test_streamed_transports_pick_their_engine_and_need_full_weights():
+def test_streamed_transports_pick_their_engine_for_full_weights_and_adapters():
     base = {"run_dir": "/nonexistent", "hf_model": "m", "init_adapter": "a", "update": "full"}
     gloo, nixl = LoopConfig(**base, transport="gloo"), LoopConfig(**base, transport="nixl")
     assert (gloo.streamed, gloo.transfer_backend) == (True, "art_gloo")
     assert (nixl.streamed, nixl.transfer_backend) == (True, "art_nixl")
     assert not LoopConfig(**base).streamed  # files
-    with pytest.raises(ValueError, match=r"--transport nixl streams full weights"):
-        LoopConfig(**{**base, "update": "lora"}, transport="nixl")
+    lora = LoopConfig(**{**base, "update": "lora"}, transport="nixl")
+    assert lora.streamed and not lora.full
+    with pytest.raises(ValueError, match=r"--push sends .* --transport nixl streams"):
+        LoopConfig(**{**base, "update": "lora"}, transport="nixl", push=True)
     with pytest.raises(ValueError, match=r"transport must be one of .*'nixl'.*got 'nccl'"):
         LoopConfig(**base, transport="nccl")
