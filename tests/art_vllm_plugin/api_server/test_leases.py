@@ -27,7 +27,10 @@ PROMPTS = [
     "the policy model learns from the reward and the trainer sends",
     "exact evaluation of one version while the slot keeps moving",
 ]
-LONG = 120
+#: Tokens of an evaluation: the engine holds itself after STEPS_BEFORE_UPDATE steps, so every
+#: update lands within its first dozen tokens, and the rest are the lease's after the update
+#: (120 before: the same checks at 2.5x the tokens).
+LONG = 48
 STEPS_BEFORE_UPDATE = 6
 #: (version - base, tiny adapter) published to slot `policy` after `base` (= a); base+1 is
 #: leased.
