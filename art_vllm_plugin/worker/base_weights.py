@@ -92,15 +92,19 @@ def _stage(worker, staged: StagedBase, stage_dir: str, marker_dir: str, rank: in
 
 
 class _ShardSink:
-    """Stands in for the model as a weight-transfer engine's target: digests each checkpoint
-    tensor as it arrives, checks its values, hands it to this worker's shard stage
-    (`shard_stage.ShardStage`), which keeps only the slice this worker's parameters hold, and
-    counts it in the worker's progress record (`stage_progress`: the API server's stall
-    deadline and `GET /art/v1/weights` read it), whatever engine delivers it."""
+    """Stands in for the model as a weight-transfer engine's target: hands each checkpoint
+    tensor to this worker's shard stage (`shard_stage.ShardStage`), which keeps only the
+    slice this worker's parameters hold, and counts it in the worker's progress record
+    (`stage_progress`: the API server's stall deadline and `GET /art/v1/weights` read it),
+    whatever engine delivers it. With `verify` it also digests each tensor and checks its
+    values: for engines that do not (vLLM's NCCL and IPC engines); the plugin's own
+    (`verifies_delivered`: art_gloo, art_nixl) did both already, on the bytes they received,
+    and say the digest themselves (`received_digest`), so the work is not done twice."""
 
-    def __init__(self, stage, progress: stage_progress.Recorder | None = None):
+    def __init__(self, stage, progress: stage_progress.Recorder | None = None, verify=True):
         self.stage = stage
         self.progress = progress
+        self.verify = verify
         self.digest = WeightsDigest()
         self.problems: list[str] = []
 
@@ -108,18 +112,26 @@ class _ShardSink:
         import torch
 
         for name, tensor in weights:
-            # Device tensors (NCCL, IPC) live in buffers the engine reuses; the digest reads a
-            # host copy of each, which is dropped once the shard took its slice.
-            host = tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
-            host = host.contiguous()
-            data = host.view(torch.uint8).numpy() if host.numel() else b""
-            self.digest.update(name, str(host.dtype), tuple(host.shape), data)
-            if not all_finite(host):
-                self.problems.append(f"{name}: holds NaN or infinite values")
+            if self.verify:
+                # Device tensors (NCCL, IPC) live in buffers the engine reuses; the digest
+                # reads a host copy of each, dropped once the shard took its slice.
+                host = tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
+                host = host.contiguous()
+                data = host.view(torch.uint8).numpy() if host.numel() else b""
+                self.digest.update(name, str(host.dtype), tuple(host.shape), data)
+                if not all_finite(host):
+                    self.problems.append(f"{name}: holds NaN or infinite values")
             self.stage.load_weights([(name, tensor)])
             if self.progress is not None:
-                self.progress.add(host.numel() * host.element_size())
+                self.progress.add(tensor.numel() * tensor.element_size())
         return self.stage.names
+
+
+def _received_digest(engine, sink: _ShardSink) -> str:
+    """The digest of what arrived: the sink's, or the engine's where it verified."""
+    if sink.verify:
+        return sink.digest.hexdigest()
+    return engine.received_digest
 
 
 def stream_update_info(engine, plan: dict, digest: str | None) -> dict:
@@ -131,7 +143,7 @@ def stream_update_info(engine, plan: dict, digest: str | None) -> dict:
     return info
 
 
-def _problems(plan: dict, sink: _ShardSink, digest: str | None) -> list[str]:
+def _problems(plan: dict, sink: _ShardSink, digest: str | None, got: str) -> list[str]:
     names = sink.stage.names
     problems = [f"{name}: not received" for name in plan["names"] if name not in names]
     problems += sink.problems
@@ -141,7 +153,6 @@ def _problems(plan: dict, sink: _ShardSink, digest: str | None) -> list[str]:
             f"the model's loaders took nothing of any of the {len(names)} tensors received "
             "(nothing would change)"
         )
-    got = sink.digest.hexdigest()
     if digest is not None and got != digest:
         problems.append(f"the digest of what arrived ({got}) is not the request's {digest}")
     return problems
@@ -159,7 +170,8 @@ def _stage_stream(worker, staged: StagedBase, plan: dict, digest, marker_dir: st
     refused = None
     try:
         progress = stage_progress.Recorder(marker_dir, rank)
-        sink = _ShardSink(shard_stage.ShardStage(*staging_layout(worker)), progress)
+        verify = not getattr(engine, "verifies_delivered", False)
+        sink = _ShardSink(shard_stage.ShardStage(*staging_layout(worker)), progress, verify)
         model_config = compat.worker_model_runner(worker).vllm_config.model_config
         engine.set_weight_update_target(sink, model_config)
         try:
@@ -169,7 +181,8 @@ def _stage_stream(worker, staged: StagedBase, plan: dict, digest, marker_dir: st
             engine.reset_weight_update_target()
             sink.stage.seal()
             progress.write()
-        problems = _problems(plan, sink, digest)
+        got = _received_digest(engine, sink)
+        problems = _problems(plan, sink, digest, got)
         if problems:
             refused = "; ".join(problems)
     except ValueError as exc:  # the stream broke its plan (`gloo_transfer.StreamRefused`)
@@ -186,7 +199,7 @@ def _stage_stream(worker, staged: StagedBase, plan: dict, digest, marker_dir: st
     staged.tensors = {}
     staged.streamed = True
     ready = {
-        "digest": sink.digest.hexdigest(),
+        "digest": got,
         "staged_bytes": sink.stage.nbytes,
         "ignored": sink.stage.ignored,
     }

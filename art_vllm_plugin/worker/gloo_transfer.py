@@ -130,7 +130,10 @@ class ArtGlooWeightTransferEngine(StoreWeightTransferEngine):
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise self.not_initialized(GLOO_BACKEND)
-        receive_stream(self.group, self.store, self.rank, update_info, self.deliver)
+        self.received_digest = None
+        self.received_digest = receive_stream(
+            self.group, self.store, self.rank, update_info, self.deliver
+        )
 
     def shutdown(self) -> None:
         self.group = None

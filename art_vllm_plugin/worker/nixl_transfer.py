@@ -73,7 +73,8 @@ class ArtNixlWeightTransferEngine(StoreWeightTransferEngine):
     def receive_weights(self, update_info: NixlUpdateInfo) -> None:
         if self.receiver is None:
             raise self.not_initialized(NIXL_BACKEND)
-        self.receiver.receive(update_info, self.deliver)
+        self.received_digest = None
+        self.received_digest = self.receiver.receive(update_info, self.deliver)
 
     def shutdown(self) -> None:
         if self.receiver is not None:

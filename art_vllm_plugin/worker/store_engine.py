@@ -53,6 +53,11 @@ class StoreWeightTransferEngine(compat.weight_transfer_engine_base()):
     """The shared part of both engines (see the module docstring)."""
 
     supports_draft_weight_update = False
+    #: Each engine digests what it receives and checks its values before delivering it, and
+    #: keeps the digest of the last stream it received (`received_digest`): ART's staging
+    #: sink need not do either again (`base_weights._ShardSink`).
+    verifies_delivered = True
+    received_digest: str | None = None
 
     def start_weight_update(self) -> None:
         """vLLM's own route: layerwise reload straight into the model (no staging)."""
