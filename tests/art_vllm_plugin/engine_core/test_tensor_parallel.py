@@ -29,6 +29,10 @@ from art_vllm_plugin import serve_process
 PROMPT = "the policy model learns from the reward and the trainer sends"
 LONG = 96
 SHORT = 16
+#: Tokens of the generation an update lands in after STEPS_BEFORE_UPDATE steps (the engine
+#: holds itself there): the boundary and the tokens after it fit (LONG before: 64 more
+#: tokens per server for the same checks).
+MID = 32
 STEPS_BEFORE_UPDATE = 8
 
 
@@ -91,7 +95,7 @@ async def _scenario(url: str, adapters, base: int) -> dict:
         # STEPS_BEFORE_UPDATE of its steps (the engine holds itself there: support/step_hold)
         out["mid"], mid, s0 = await update_after_steps(
             client,
-            lambda: _complete(client, "policy", LONG),
+            lambda: _complete(client, "policy", MID),
             STEPS_BEFORE_UPDATE,
             {"slot": "policy", "path": str(adapters / "a"), "version": base + 2},
         )
@@ -102,10 +106,10 @@ async def _scenario(url: str, adapters, base: int) -> dict:
 def _check_mid_generation(run: dict) -> None:
     tokens, spans = run["mid"]["tokens"], run["mid"]["spans"]
     k, base = run["mid_step"], run["base"]
-    assert STEPS_BEFORE_UPDATE <= k < LONG, "the update must land mid-generation"
+    assert STEPS_BEFORE_UPDATE <= k < MID, "the update must land mid-generation"
     assert spans == [
         {"start": 0, "end": k, "slot": "policy", "version": base + 1},
-        {"start": k, "end": LONG, "slot": "policy", "version": base + 2},
+        {"start": k, "end": MID, "slot": "policy", "version": base + 2},
     ]
     assert tokens[:k] == run["ref_b"][:k]
 
