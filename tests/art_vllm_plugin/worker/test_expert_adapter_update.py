@@ -23,6 +23,9 @@ stacked tensor of every LoRA layer must then be equal at the two indices.
 
 Runner-independent: the LoRA manager and layers are the same under both model runners (the
 runner objects share `LoRAModelRunnerMixin`), so the ranks run without Triton on either.
+
+Each rank is a fork of one interpreter that imported the vLLM modules the ranks build on
+(`support.vllm_forks`, module scope): three ranks, one vLLM import.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.vllm_forks import Case, Forker
 
 pytestmark = pytest.mark.serve
 
@@ -75,29 +79,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(tmp: Path, a: Path, b: Path, tp: int, *extra: str) -> list[dict]:
-    """Run `expert_update_worker.py` for every rank at once; each rank's JSON answer."""
+#: What the ranks import before they fork (`expert_update_worker._build_runner`'s imports).
+PRELOAD = (
+    "torch",
+    "vllm.config",
+    "vllm.distributed",
+    "vllm.engine.arg_utils",
+    "vllm.v1.worker.cpu_model_runner",
+)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """The interpreter the ranks fork from: this process's environment without the serve
+    suite's runner selection, and the variables every vLLM run gets."""
     env = {k: v for k, v in os.environ.items() if k not in RUNNER_ENV}
     env.update(VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1")
     env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    port, procs, outs = _free_port(), [], []
-    env["VLLM_DIST_IDENT"] = f"art-expert-update-{port}"  # the CPU worker sets it (SHM group)
+    with Forker(PRELOAD, env=env, unset=("VLLM_DIST_IDENT",), timeout_s=300) as forker:
+        yield forker
+
+
+def _run_ranks(ranks: Forker, tmp: Path, a: Path, b: Path, tp: int, *extra: str) -> list[dict]:
+    """Run `expert_update_worker.py` for every rank at once; each rank's JSON answer."""
+    port, cases, outs = _free_port(), [], []
+    env = {"VLLM_DIST_IDENT": f"art-expert-update-{port}"}  # the CPU worker sets it (SHM group)
     for rank in range(tp):
         out, log = tmp / f"rank{rank}.json", tmp / f"rank{rank}.log"
-        cmd = [sys.executable, str(WORKER), "--model", str(MOE), "--a", str(a), "--b", str(b)]
-        cmd += ["--tp", str(tp), "--rank", str(rank), "--port", str(port), "--out", str(out)]
-        with log.open("w") as sink:
-            procs.append(
-                subprocess.Popen([*cmd, *extra], env=env, stdout=sink, stderr=subprocess.STDOUT)
-            )
+        argv = [str(WORKER), "--model", str(MOE), "--a", str(a), "--b", str(b)]
+        argv += ["--tp", str(tp), "--rank", str(rank), "--port", str(port), "--out", str(out)]
+        # as `python expert_update_worker.py ARGS` runs it: argv, and its folder first on the path
+        code = f"import runpy, sys\nsys.argv = {[*argv, *extra]!r}\n"
+        code += f"sys.path[0] = {str(WORKER.parent)!r}\n"
+        code += f"runpy.run_path({str(WORKER)!r}, run_name='__main__')\n"
+        cases.append(Case(code, env, log=str(log)))
         outs.append((out, log))
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = [done.returncode for done in ranks.run(cases, together=True)]
     results = []
     for (out, log), code in zip(outs, codes, strict=True):
         tail = log.read_text(errors="replace")[-3000:]
@@ -118,10 +135,10 @@ def _check_same_as_vllm(result: dict, rank: int) -> None:
 
 @pytest.mark.timeout(600)
 def test_expert_adapter_export_layout_tp2_writes_vllms_tensors_and_copies_the_shard(
-    tmp_path,
+    ranks, tmp_path
 ):
     a, b = _adapters(tmp_path)
-    results = _run_ranks(tmp_path, a, b, 2)
+    results = _run_ranks(ranks, tmp_path, a, b, 2)
     numels = _numels(b)
     whole, shard = sum(numels.values()), 0
     for key, numel in numels.items():
@@ -139,8 +156,8 @@ def test_expert_adapter_export_layout_tp2_writes_vllms_tensors_and_copies_the_sh
 
 
 @pytest.mark.timeout(600)
-def test_fused_3d_expert_adapter_stages_with_the_slots_is_3d_flag(tmp_path):
+def test_fused_3d_expert_adapter_stages_with_the_slots_is_3d_flag(ranks, tmp_path):
     a, b = _adapters(tmp_path, "--fused-3d")
-    (result,) = _run_ranks(tmp_path, a, b, 1, "--mixed-3d")
+    (result,) = _run_ranks(ranks, tmp_path, a, b, 1, "--mixed-3d")
     _check_same_as_vllm(result, 0)
     assert result["device_bytes"] == result["whole_bytes"]  # one rank: its shard is the whole
