@@ -150,6 +150,54 @@ def _one_seq(p: KindPaths):
     )
 
 
+# -- two_slots: two device slots for four resident LoRA modules, and a hub-id module ---------
+# test_lease_capacity: `--max-loras 2` for four LoRA modules, all resident in the CPU cache
+# (`--max-cpu-loras 6`), is the shape under test (the other kinds keep their references on the
+# device or have room for one lease only). test_hub_lora_modules: a `--lora-modules` entry
+# that is a hub id, resolved at start from a local hub cache (HUB_ID at HUB_COMMIT, adapter
+# b's files; `HF_HUB_OFFLINE=1` as everywhere), and `--art-cpu-layout off`. One server for
+# both (they had one each): neither flag changes what the other module checks.
+TWO_SLOTS = {"policy": "a", "shadow": "b", "ref_a": "a", "ref_c": "c"}
+#: The hub id of the `two_slots` kind's hub module (`hub`) and its snapshot's commit.
+HUB_ID = "fakeorg/tiny-lora-b"
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _two_slots_slots(p: KindPaths) -> dict[str, Path]:
+    return _starts(p.start, p.tiny_adapters, TWO_SLOTS)
+
+
+def _hub_cache(p: KindPaths) -> Path:
+    """A local Hugging Face hub cache holding HUB_ID at HUB_COMMIT (adapter b's files)."""
+    cache = p.root / "hf" / "hub"
+    repo = cache / f"models--{HUB_ID.replace('/', '--')}"
+    if not (repo / "refs" / "main").exists():
+        shutil.copytree(p.tiny_adapters / "b", repo / "snapshots" / HUB_COMMIT)
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text(HUB_COMMIT)
+    return cache
+
+
+def _two_slots(p: KindPaths):
+    from art_vllm_plugin.serve_process import tiny_lora_args
+
+    return _config(
+        p.tiny_model,
+        (
+            *tiny_lora_args(max_loras=2),
+            # every adapter stays resident; only the device slots (2) are scarce
+            *("--max-cpu-loras", "6"),
+            *_modules(_two_slots_slots(p)),
+            f"hub={HUB_ID}",  # one more `--lora-modules` entry
+            *("--art-cpu-layout", "off"),
+            *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
+            *OPEN,
+        ),
+        # vLLM's dev-mode /pause and /resume (test_lease_capacity)
+        {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_CACHE": str(_hub_cache(p)), "HF_HUB_OFFLINE": "1"},
+    )
+
+
 # -- tp2: two tensor-parallel workers --------------------------------------------------------
 def _tp2_slots(p: KindPaths) -> dict[str, Path]:
     return _starts(p.start, p.tiny_adapters, {"policy": "a", "ref_b": "b"})
@@ -358,6 +406,12 @@ KINDS: dict[str, Kind] = {
             "--max-num-seqs 1, one LoRA slot on device and in CPU, block size 32",
             _one_seq,
             _one_seq_slots,
+        ),
+        Kind(
+            "two_slots",
+            "--max-loras 2 for four resident LoRA modules, a hub-id module, CPU layout off",
+            _two_slots,
+            _two_slots_slots,
         ),
         Kind(
             "tp2",

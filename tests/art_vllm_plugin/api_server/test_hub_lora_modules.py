@@ -4,56 +4,26 @@ refuses that module for in-flight updates with a clear message.
 vLLM itself resolves a hub id in the worker (`lora/utils.py` `get_adapter_absolute_path`):
 with `HF_HUB_OFFLINE=1` and no cached snapshot, stock vLLM refuses to start, so the test hands
 it a snapshot in a local hub cache, exactly as a user with a pre-downloaded adapter has. The
-server also runs with `--art-cpu-layout off`: EngineCore keeps vLLM's own layout.
+server also runs with `--art-cpu-layout off`: EngineCore keeps vLLM's own layout. The server
+is the shared `two_slots` kind (test_lease_capacity uses it too; tests/support/server_kinds.py).
 """
 
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import psutil
 import pytest
-from support.vllm_server import LORA_ARGS
+from support.server_kinds import HUB_ID, TWO_SLOTS
 
 from art_protocol.client import ArtClient, ArtError
-from art_vllm_plugin import serve_process
-
-HUB_ID = "fakeorg/tiny-lora-b"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 @pytest.fixture(scope="module")
-def hub_cache(tmp_path_factory, tiny_adapters):
-    """A local Hugging Face hub cache holding HUB_ID at COMMIT (adapter b's files)."""
-    cache = tmp_path_factory.mktemp("hf") / "hub"
-    repo = cache / f"models--{HUB_ID.replace('/', '--')}"
-    shutil.copytree(tiny_adapters / "b", repo / "snapshots" / COMMIT)
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    return cache
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model, tiny_adapters, hub_cache, server_log):
-    """A server of its own: resolving a hub-id `--lora-modules` entry at start-up (from
-    `HF_HUB_CACHE`) and `--art-cpu-layout off` are the subject; no shared kind runs them."""
-    config = serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(
-            *LORA_ARGS,
-            *serve_process.ALLOW_UNAUTHENTICATED,  # the update refusal is the 400, not a 403
-            "--lora-modules",
-            f"policy={tiny_adapters / 'a'}",
-            f"hub={HUB_ID}",
-            "--art-cpu-layout",
-            "off",
-        ),
-        env={"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"},
-        log_path=server_log,
-    )
-    with serve_process.serving(config) as srv:
-        yield srv
+def server(two_slots_server):
+    """The shared `two_slots` server (tests/support/server_kinds.py): its `--lora-modules` has
+    `hub=HUB_ID`, resolved at start from a local hub cache (`HF_HUB_CACHE`), beside the local
+    slots, and it runs `--art-cpu-layout off`."""
+    return two_slots_server
 
 
 def test_server_starts_and_serves_the_hub_module(server):
@@ -70,7 +40,7 @@ def test_server_starts_and_serves_the_hub_module(server):
 
 def test_hub_module_is_refused_for_updates_with_a_clear_message(server, tiny_adapters):
     with ArtClient(server.url) as art:
-        assert [s["slot"] for s in art.slots()] == ["policy"]
+        assert sorted(s["slot"] for s in art.slots()) == sorted(TWO_SLOTS)  # the local ones
         with pytest.raises(ArtError) as err:
             art.update("hub", tiny_adapters / "c", 1)
         assert err.value.status == 400
@@ -82,7 +52,8 @@ def test_hub_module_is_refused_for_updates_with_a_clear_message(server, tiny_ada
         assert feature["enabled"] is True
         assert "hub" in feature["refused_slots"]
         # The local slot keeps working.
-        assert art.update("policy", tiny_adapters / "c", 1)["version"] == 1
+        version = server.start_versions["policy"] + 1
+        assert art.update("policy", tiny_adapters / "c", version)["version"] == version
 
 
 def test_cpu_layout_off_leaves_engine_core_where_vllm_put_it(server):

@@ -1,6 +1,6 @@
 """A pinned exact lease must not take a `--max-loras` batch slot for good.
 
-With `--max-loras 2`, slot `policy` busy and a lease `shadow@1` pinned, a batch that mixes
+With `--max-loras 2`, slot `policy` busy and a lease `shadow@N` pinned, a batch that mixes
 `policy` and `shadow` (two distinct LoRAs, which vLLM's scheduler allows) used to evict an
 adapter of that same batch from the device slots (the lease held the other one pinned) and the
 request got HTTP 500. Requests on more adapters than `--max-loras` must wait for a slot and
@@ -15,8 +15,6 @@ import shutil
 
 import httpx
 import pytest
-
-from art_vllm_plugin import serve_process
 
 PROMPT = "the policy model learns from the reward and the trainer sends"
 TOKENS = 24
@@ -34,34 +32,11 @@ def _body(model: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tiny_adapters, server_log, tmp_path_factory):
-    """A server of its own: two device slots (`--max-loras 2`) for four LoRA modules, all
-    resident in the CPU cache (`--max-cpu-loras 6`), is the shape under test; the shared
-    kinds keep their references on the device or have room for one lease only."""
-    root = tmp_path_factory.mktemp("lease_capacity")
-    shutil.copytree(tiny_adapters / "c", root / "shadow_v1")
-    a, b, c = (tiny_adapters / n for n in "abc")
-    config = serve_process.ServeConfig(
-        model=str(tiny_model),
-        args=(
-            *serve_process.tiny_lora_args(max_loras=2),
-            *serve_process.ALLOW_UNAUTHENTICATED,  # updates and leases without a key
-            "--max-cpu-loras",
-            "6",  # every adapter stays resident; only the device slots (2) are scarce
-            "--lora-modules",
-            f"policy={a}",
-            f"shadow={b}",
-            f"ref_a={a}",
-            f"ref_c={c}",
-            "--art-adapter-root",
-            str(root),
-        ),
-        env={"VLLM_SERVER_DEV_MODE": "1"},  # vLLM's /pause and /resume routes
-        log_path=server_log,
-    )
-    with serve_process.serving(config) as srv:
-        srv.root = root
-        yield srv
+def server(two_slots_server):
+    """The shared `two_slots` server (tests/support/server_kinds.py): two device slots
+    (`--max-loras 2`) for four LoRA modules (`policy`=a, `shadow`=b, `ref_a`=a, `ref_c`=c), all
+    resident in the CPU cache (`--max-cpu-loras 6`), is the shape under test."""
+    return two_slots_server
 
 
 def complete(server, model: str) -> list[int]:
@@ -78,19 +53,25 @@ def references(server) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def lease(server, references) -> dict:
+def lease(server, references, tiny_adapters) -> dict:
+    """Slot `shadow` moved to adapter c at its next version, that version pinned by a lease
+    (released when the module ends: the server is shared)."""
+    version = server.start_versions["shadow"] + 1
+    path = shutil.copytree(tiny_adapters / "c", server.scratch / f"shadow_v{version}")
     upd = httpx.post(
         server.url + "/art/v1/lora/update",
-        json={"slot": "shadow", "path": str(server.root / "shadow_v1"), "version": 1},
+        json={"slot": "shadow", "path": str(path), "version": version},
         timeout=300,
     )
     assert upd.status_code == 200, upd.text
     resp = httpx.post(
-        server.url + "/art/v1/leases", json={"slot": "shadow", "version": 1, "ttl_s": 900}
+        server.url + "/art/v1/leases", json={"slot": "shadow", "version": version, "ttl_s": 900}
     )
     assert resp.status_code == 200, resp.text
-    assert resp.json()["model"] == "shadow@1"
-    return resp.json()
+    assert resp.json()["model"] == f"shadow@{version}"
+    yield resp.json()
+    gone = httpx.delete(server.url + f"/art/v1/leases/{resp.json()['id']}", timeout=60)
+    assert gone.status_code == 200, gone.text
 
 
 async def _together(server, models: list[str]) -> list[httpx.Response]:
@@ -110,12 +91,18 @@ async def _together(server, models: list[str]) -> list[httpx.Response]:
 
 
 @pytest.mark.parametrize(
-    "models",
-    [["policy", "shadow"], ["policy", "shadow@1"], ["policy", "shadow", "shadow@1"]],
+    "roles",
+    [["policy", "shadow"], ["policy", "lease"], ["policy", "shadow", "lease"]],
     ids=["slot", "lease", "three-adapters"],
 )
-def test_mixed_batch_with_pinned_lease_waits_for_a_lora_slot(server, references, lease, models):
-    expected = {"policy": references["a"], "shadow": references["c"], "shadow@1": references["c"]}
+def test_mixed_batch_with_pinned_lease_waits_for_a_lora_slot(server, references, lease, roles):
+    """`lease` is the pinned `shadow@<version>`."""
+    models = [lease["model"] if role == "lease" else role for role in roles]
+    expected = {
+        "policy": references["a"],
+        "shadow": references["c"],
+        lease["model"]: references["c"],
+    }
     for model, resp in zip(models, asyncio.run(_together(server, models)), strict=True):
         assert resp.status_code == 200, f"{model}: {resp.status_code} {resp.text}"
         assert resp.json()["choices"][0]["token_ids"] == expected[model], model
@@ -124,4 +111,4 @@ def test_mixed_batch_with_pinned_lease_waits_for_a_lora_slot(server, references,
 def test_lease_serves_its_version_after_leaving_the_device_slots(server, references, lease):
     complete(server, "policy")
     complete(server, "ref_a")  # two other adapters take both device slots
-    assert complete(server, "shadow@1") == references["c"]
+    assert complete(server, lease["model"]) == references["c"]
