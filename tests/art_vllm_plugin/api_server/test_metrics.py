@@ -8,7 +8,7 @@ module (its steps, updates, preemptions) are read as differences.
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
 
 import httpx
@@ -92,41 +92,58 @@ def test_snapshot_reports_engine_activity(server):
     assert snap["slots"]["policy"]["version"] == server.start_versions["policy"]
 
 
+#: Snapshots showing the full state the capacity test checks before it ends its first request.
+FULL_SNAPSHOTS = 3
+
+
 def test_waiting_for_capacity_counts_requests_beyond_max_num_seqs(server):
-    """Four long requests on a 1-sequence server: while the first one runs, the snapshot
-    shows one running, three waiting for capacity, and not idle; afterwards idle again."""
-    statuses = []
+    """Four requests on a 1-sequence server: while the first one runs, the snapshot shows one
+    running, three waiting for capacity, and not idle; afterwards idle again. The first is a
+    stream the test ends once it has read FULL_SNAPSHOTS such snapshots (before: four 400-token
+    requests, polled until they ended); the three behind it are short."""
     waiting = CONCURRENT - MAX_NUM_SEQS
+    asyncio.run(_capacity(server, waiting))
 
-    def one(i):
-        resp = httpx.post(
-            server.url + "/v1/completions",
-            timeout=300,
-            json={
-                "model": "policy",
-                "prompt": f"capacity {i}",
-                "max_tokens": 400,
-                "ignore_eos": True,
-            },
-        )
-        statuses.append(resp.status_code)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(CONCURRENT)]
-    for t in threads:
-        t.start()
+async def _capacity(server, waiting: int) -> None:
+    def body(i: int, max_tokens: int, **extra) -> dict:
+        return {
+            "model": "policy",
+            "prompt": f"capacity {i}",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            **extra,
+        }
+
     full = []
-    while any(t.is_alive() for t in threads):
-        snap = get(server, "/art/metrics").json()
-        if snap["num_running"] == MAX_NUM_SEQS and snap["num_waiting"] == waiting:
-            full.append(snap)
-        time.sleep(0.02)
-    for t in threads:
-        t.join()
-    assert statuses == [200] * CONCURRENT
-    # the first request decodes 400 tokens while the other three wait: seen many times
-    assert full, f"no snapshot showed {MAX_NUM_SEQS} running and {waiting} waiting"
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        first = body(0, 400, stream=True)
+        async with client.stream("POST", "/v1/completions", json=first) as running:
+            assert running.status_code == 200, await running.aread()
+            # held, not dropped: a dropped line iterator closes the stream (vLLM aborts it)
+            lines = running.aiter_lines()
+            async for line in lines:  # it runs once its first chunk arrives
+                if line.startswith("data: {"):
+                    break
+            behind = [
+                asyncio.create_task(client.post("/v1/completions", json=body(i, 8)))
+                for i in range(1, CONCURRENT)
+            ]
+            # the requests behind can only end after the first one: this loop ends at the latest
+            # when the first one reached its 400 tokens
+            while len(full) < FULL_SNAPSHOTS and not all(t.done() for t in behind):
+                snap = (await client.get("/art/metrics")).json()
+                if snap["num_running"] == MAX_NUM_SEQS and snap["num_waiting"] == waiting:
+                    full.append(snap)
+                await asyncio.sleep(0.02)
+        # the stream is closed: vLLM aborts the first request and runs the others
+        statuses = [(await t).status_code for t in behind]
+        assert statuses == [200] * (CONCURRENT - 1)
+        after = (await client.get("/art/metrics")).json()
+    assert len(full) == FULL_SNAPSHOTS, (
+        f"no snapshot showed {MAX_NUM_SEQS} running and {waiting} waiting"
+    )
     assert all(s["num_waiting_for_capacity"] == waiting and s["idle"] is False for s in full)
-    after = get(server, "/art/metrics").json()
     assert after["idle"] is True and after["num_waiting_for_capacity"] == 0
 
 
