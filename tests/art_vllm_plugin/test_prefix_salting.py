@@ -80,8 +80,11 @@ def test_base_model_keeps_stock_caching(server, tiny_model, tiny_adapters):
 
 
 async def _probe_behind_blocker(server, update=None):
-    """A long streamed request runs; a probe is sent behind it (it waits: --max-num-seqs 1),
-    then, if `update=(path, version)`, the update right after it.
+    """A streamed request runs; a probe is sent behind it and waits (--max-num-seqs 1); once
+    the engine reports it waiting, the update is published if `update=(path, version)`; then
+    the test ends the blocker (closing its stream aborts it) and the probe runs. So the probe
+    always waits through the update (before: a 460-token blocker, the update sent 50 ms after
+    the probe, up to six tries until it landed while the probe waited).
 
     Returns (probe cached tokens, probe spans, update result or None).
     """
@@ -94,8 +97,9 @@ async def _probe_behind_blocker(server, update=None):
             "stream": True,
         }
         async with client.stream("POST", "/v1/completions", json=body) as blocker:
+            # held, not dropped: a dropped line iterator closes the stream (vLLM aborts it)
             lines = blocker.aiter_lines()
-            async for line in lines:  # the blocker is scheduled once its first chunk arrives
+            async for line in lines:  # scheduled once its first chunk arrives
                 if line.startswith("data: {"):
                     break
             probe = asyncio.create_task(
@@ -109,17 +113,18 @@ async def _probe_behind_blocker(server, update=None):
                     },
                 )
             )
+            while (await client.get("/art/metrics")).json()["num_waiting"] < 1:
+                assert not probe.done(), "the probe ran beside the blocker"
+                await asyncio.sleep(0.02)
             upd = None
             if update is not None:
-                await asyncio.sleep(0.05)
-                upd = (
-                    await client.post(
-                        "/art/v1/lora/update",
-                        json={"slot": "policy", "path": str(update[0]), "version": update[1]},
-                    )
-                ).json()
-            async for _ in lines:
-                pass
+                resp = await client.post(
+                    "/art/v1/lora/update",
+                    json={"slot": "policy", "path": str(update[0]), "version": update[1]},
+                )
+                assert resp.status_code == 200, resp.text
+                upd = resp.json()
+            assert not probe.done(), "the probe did not wait behind the blocker"
         resp = (await probe).json()
     return (
         resp["usage"]["prompt_tokens_details"]["cached_tokens"],
@@ -135,20 +140,13 @@ def test_waiting_request_hits_the_cache_when_nothing_changes(server):
 
 
 def test_request_waiting_during_an_update_is_resalted(server, tiny_adapters):
-    """Whichever of probe and update reaches the engine first, the probe's prefill looks up
-    cached blocks only under the version that computes it (its spans say which)."""
-    landed_while_waiting = False
-    for _ in range(6):
-        cached(server)  # warm the cache at the current version
-        old = version(server)
-        hits, spans, upd = asyncio.run(
-            _probe_behind_blocker(server, update=(tiny_adapters / "a", old + 1))
-        )
-        if spans[0]["version"] == upd["version"]:
-            assert hits == 0, "a request computed by the new version reused old KV"
-            if upd["resalted_waiting"] >= 1:
-                landed_while_waiting = True
-                break
-        else:  # the probe was prefilled before the update: old KV was right for it
-            assert spans[0]["version"] == old
-    assert landed_while_waiting, "the update never landed while the probe waited"
+    """The update lands while the probe waits: the probe's prefill, computed by the new
+    version (its spans say so), looks up cached blocks only under that version's salt."""
+    cached(server)  # warm the cache at the current version
+    old = version(server)
+    hits, spans, upd = asyncio.run(
+        _probe_behind_blocker(server, update=(tiny_adapters / "a", old + 1))
+    )
+    assert upd["resalted_waiting"] >= 1, "the update did not land while the probe waited"
+    assert spans[0]["version"] == upd["version"] == old + 1
+    assert hits == 0, "a request computed by the new version reused old KV"
