@@ -42,6 +42,10 @@ KILL_BEFORE = 4  # replica KILLED is stopped right before this publish
 KILLED = 2
 PROMPT = "the trainer publishes a new policy and every replica"
 PAUSE_S = 0.1  # between traffic requests: steady traffic that leaves the 2 cores some room
+#: Between traffic requests while the killed replica restarts: nothing the fleet does changes
+#: until `reconcile()` (the replica stays quarantined), and the restart (a vLLM start, minutes
+#: on a loaded host) should not compete with hundreds of identical requests.
+RESTART_PAUSE_S = 1.0
 RETRY = RetryPolicy(
     deadline_s=180.0, attempt_timeout_s=120.0, backoff_initial_s=0.1, max_attempts=4
 )
@@ -148,6 +152,7 @@ class Traffic:
         self.fleet = fleet
         self.phase = "before-kill"
         self.latest = 0  # highest version a publish has started: no span may be newer
+        self.pause_s = PAUSE_S
         self.records: list[Sent] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -176,7 +181,7 @@ class Traffic:
                 error = f"{type(exc).__name__}: {exc}"
             with self._lock:
                 self.records.append(Sent(url, phase, self.phase, error))
-            self._stop.wait(PAUSE_S)
+            self._stop.wait(self.pause_s)
 
     def sent(self) -> list[Sent]:
         with self._lock:
@@ -220,7 +225,9 @@ def test_fleet_publishes_quarantines_and_reconciles(replicas, tiny_adapters):
 
         # The replica comes back on the same address, at version 0: behind, still quarantined.
         traffic.phase = "restarted"
+        traffic.pause_s = RESTART_PAUSE_S
         replicas[KILLED] = restart_same_port(replicas[KILLED])
+        traffic.pause_s = PAUSE_S
         view = fleet.slots()["policy"]
         last_version = base + N_VERSIONS
         assert dict(view.versions) == {urls[0]: last_version, urls[1]: last_version, killed: 0}
