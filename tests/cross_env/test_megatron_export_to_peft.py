@@ -34,39 +34,36 @@ STEPS = 3
 
 
 def push_adapter_to_running_server(base_url: str, slot: str, adapter_dir: Path, version: int):
-    """Publish `adapter_dir` to `slot` of a running `vllm serve --plugin art` while a long
-    generation runs there; returns (update result, that generation's choice)."""
+    """Publish `adapter_dir` to `slot` of a running `vllm serve --plugin art` while a streamed
+    generation runs there, which the test ends once tokens of the new version arrived
+    (tests/support/streamed_ride.py); returns (update result, that generation's choice)."""
     import asyncio
 
     import httpx
+    from support.streamed_ride import ride_a_stream
+
+    body = {
+        "model": slot,
+        "prompt": "the trainer sends",
+        "max_tokens": 460,  # room: the test ends the generation
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    update = {"slot": slot, "path": str(adapter_dir), "version": version}
 
     async def run():
         async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
-            steps0 = (await client.get("/art/v1/engine")).json()["steps"]
-            gen = asyncio.create_task(
-                client.post(
-                    "/v1/completions",
-                    json={
-                        "model": slot,
-                        "prompt": "the trainer sends",
-                        "max_tokens": 460,
-                        "temperature": 0,
-                        "ignore_eos": True,
-                    },
-                )
+            return await ride_a_stream(
+                client,
+                body,
+                update,
+                tokens_before=16,
+                settled=lambda ride: ride.tokens_of(version) > 0,
             )
-            while (await client.get("/art/v1/engine")).json()["steps"] < steps0 + 16:
-                await asyncio.sleep(0.01)
-            upd = await client.post(
-                "/art/v1/lora/update",
-                json={"slot": slot, "path": str(adapter_dir), "version": version},
-            )
-            resp = await gen
-        assert upd.status_code == 200, upd.text
-        assert resp.status_code == 200, resp.text
-        return upd.json(), resp.json()["choices"][0], steps0
 
-    return asyncio.run(run())
+    ride = asyncio.run(run())
+    assert ride.update.status_code == 200, ride.update.text
+    return ride.update.json(), ride.choice
 
 
 # fresh: a new rank-8 slot (alpha 16); q/k/v and gate/up share one A per fused site.
@@ -181,14 +178,9 @@ def test_export_is_served_as_an_inflight_update(exported, server):
     from art_protocol.client import validate_spans
 
     _, out, _ = exported
-    for _ in range(3):  # a busy machine may deliver the update after the generation ended
-        current = httpx_get_version(server.url)
-        upd, choice, steps0 = push_adapter_to_running_server(
-            server.url, "policy", out / "adapter", current + 1
-        )
-        if upd["step"] < steps0 + 459:
-            break
-    spans = validate_spans(choice, 460, latest_version=current + 1)
+    current = httpx_get_version(server.url)
+    _, choice = push_adapter_to_running_server(server.url, "policy", out / "adapter", current + 1)
+    spans = validate_spans(choice, len(choice["token_ids"]), latest_version=current + 1)
     assert [s["version"] for s in spans] == [current, current + 1]
 
 
