@@ -235,8 +235,10 @@ def test_response_over_the_size_limit_is_413_naming_the_limit(server, moe_model)
         server.url + "/art/v1/completions",
         json={
             "model": moe_model,
-            "prompt": _prompt(9, 100),
-            "max_tokens": 200,
+            # 16 choices of at least 300 route rows of 2 MoE layers x top-2 (uint8) are over
+            # MAX_BODY from their prompts alone: a few tokens each (200 before: 25x the steps)
+            "prompt": _prompt(9, 300),
+            "max_tokens": 8,
             "n": 16,
             "ignore_eos": True,
             "return_routes": True,
