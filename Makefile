@@ -163,18 +163,25 @@ test-serve-v1: serve-env $(TINY)/.ready
 # vLLM 0.34 (Model Runner V2 only; .venv-serve34): a subset, because the whole suite on a
 # second vLLM would double the serve side (about 50 min of lanes) past CI's 35 minutes. Chosen:
 # the in-flight update contract (the plugin's core: slot swaps between steps, spans with n>1,
-# streaming and chat, aliases, update races, memory over 200 updates) and the capabilities
-# report (the version and runner served), on one shared `lora` server start. In `make test` it
-# replaces those two files in 0.32's MRV2 run (SERVE_V2_IGNORE; MRV2 is the runner of both, and
-# 0.32 keeps them on the V1 runner in SERVE_V1_SUBSET). It runs after the shared-servers lane
-# (its environment installs beside the other two first, `test-envs`). As a fourth lane from the
+# streaming and chat, aliases, update races, memory over 200 updates), the capabilities report
+# (the version and runner served), and every module of the shared `dp2` server (two DP
+# engines): full-weight updates by files and streamed over art_nixl (each mid-generation switch
+# equal to Hugging Face's greedy tokens, all or none over the engines, every refusal), streamed
+# LoRA updates, the DP contracts and metrics (issue 37). In `make test` they replace those files
+# in 0.32's MRV2 run (SERVE_V2_IGNORE), so the dp2 server starts once, on 0.34 (its NUMA
+# simulation: support/server_kinds._dp_binding); 0.32 keeps the in-flight and capabilities
+# files on the V1 runner (SERVE_V1_SUBSET). It runs after the shared-servers lane (its
+# environment installs beside the other two first, `test-envs`). As a fourth lane from the
 # start it made CI's `make test` 51.6 min (2026-12-07): four lanes on two cores slowed every
-# server-heavy module 2-9x (the Ray module 843 s against 97 s alone) and a Ray request timed
-# out. Measured alone on this 2-core machine (2026-12-07): 34 passed in 5 min 45 s (in-flight
-# file only, load ~3). Issue 37 asks for more on 0.34 (full-weight, routes, leases;
-# docs/compat.md says what passes by hand and why the DP=2 files cannot start here).
+# server-heavy module 2-9x. Measured on this 2-core machine (2026-12-07, busy host): the dp2
+# files on 0.34 34 passed in 8 min 30 s (server start 339 s); the in-flight file 27 passed.
 SERVE34_SUBSET := tests/art_vllm_plugin/test_inflight_update.py \
-	tests/art_vllm_plugin/api_server/test_capabilities.py
+	tests/art_vllm_plugin/api_server/test_capabilities.py \
+	tests/art_vllm_plugin/engine_core/test_data_parallel.py \
+	tests/art_vllm_plugin/api_server/test_dp_metrics.py \
+	tests/art_vllm_plugin/test_full_weight_update.py \
+	tests/art_vllm_plugin/test_streamed_weight_update.py \
+	tests/art_vllm_plugin/test_streamed_lora_update.py
 test-serve34: serve34-env $(TINY)/.ready
 	$(TEST_CPU) ART_TEST_MODEL_RUNNER=v2 $(SERVE34)/bin/python -m pytest $(SERVE34_SUBSET) -m "not train"
 test-train: train-env

@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-serve34}
 WHEEL_DIR=$(realpath "${VLLM34_WHEEL_DIR:-../shared/vllm-0.34-cpu}")
-ENV_NAME=serve34 STEP_TOTAL=5
+ENV_NAME=serve34 STEP_TOTAL=6
 LOG="$PWD/.cache/logs/setup-serve34.log"
 mkdir -p "$(dirname "$LOG")"; : >"$LOG"
 . scripts/_steps.sh
@@ -55,6 +55,8 @@ done_step
 
 # Last: the wheel's metadata asks for torchvision / torchaudio / torchcodec, so every pip
 # install that resolves vLLM's requirements (the project's, above) brings them back.
+install_nixl "$VENV"  # scripts/_steps.sh: the DP=2 files run on 0.34 over art_nixl
+
 step "remove CUDA companions that break a CPU torch (torchvision, torchaudio, torchcodec)"
 run_logged $PIP uninstall -y torchvision torchaudio torchcodec
 done_step

@@ -268,12 +268,21 @@ def _dp2(p: KindPaths):
             *("--art-adapter-root", p.tiny_adapters, "--art-adapter-root", p.root),
             *OPEN,
         ),
-        {
-            "ART_TEST_HOOKS": "1",
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": _two_cpus(),
-        },
+        {"ART_TEST_HOOKS": "1", "VLLM_SERVER_DEV_MODE": "1", **_dp_binding()},
     )
+
+
+def _dp_binding() -> dict[str, str]:
+    """How the two DP engines' workers bind to this host's cores. vLLM 0.32 takes an explicit
+    list (one core each). vLLM 0.34 binds each DP engine to a NUMA node of its own
+    (`parallel_config.assigned_physical_gpu_ids`): on this one-node host engine 1 dies at
+    start (`IndexError` in cpu_worker.py); its NUMA simulation (`VLLM_CPU_SIM_MULTI_NUMA`)
+    places both on node 0, and needs vLLM's automatic binding (it asserts it)."""
+    from importlib.metadata import version
+
+    if tuple(int(x) for x in version("vllm").split(".")[:2]) >= (0, 34):
+        return {"VLLM_CPU_SIM_MULTI_NUMA": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+    return {"VLLM_CPU_OMP_THREADS_BIND": _two_cpus()}
 
 
 # -- pp2: two pipeline stages ------------------------------------------------------------------
