@@ -164,24 +164,35 @@ test-serve-v1: serve-env $(TINY)/.ready
 # second vLLM would double the serve side (about 50 min of lanes) past CI's 35 minutes. Chosen:
 # the in-flight update contract (the plugin's core: slot swaps between steps, spans with n>1,
 # streaming and chat, aliases, update races, memory over 200 updates), the capabilities report
-# (the version and runner served), and every module of the shared `dp2` server (two DP
-# engines): full-weight updates by files and streamed over art_nixl (each mid-generation switch
-# equal to Hugging Face's greedy tokens, all or none over the engines, every refusal), streamed
-# LoRA updates, the DP contracts and metrics (issue 37). In `make test` they replace those files
-# in 0.32's MRV2 run (SERVE_V2_IGNORE), so the dp2 server starts once, on 0.34 (its NUMA
-# simulation: support/server_kinds._dp_binding); 0.32 keeps the in-flight and capabilities
-# files on the V1 runner (SERVE_V1_SUBSET). It runs after the shared-servers lane (its
+# (the version and runner served), and every module of three shared servers (issue 37):
+# `dp2` (two DP engines: full-weight updates by files and streamed over art_nixl, each
+# mid-generation switch equal to Hugging Face's greedy tokens, all or none over the engines,
+# every refusal; streamed LoRA updates; the DP contracts and metrics), `keyed` (exact leases
+# and their files, the API key's guards, feature states) and `moe_routes` (routed experts on
+# MRV2's native capture, MoE parity with Megatron). In `make test` they replace those files in
+# 0.32's MRV2 run (SERVE_V2_IGNORE), so each of those servers starts once, on 0.34 (dp2 through
+# its NUMA simulation: support/server_kinds._dp_binding); 0.32 keeps the in-flight,
+# capabilities and route files on the V1 runner (SERVE_V1_SUBSET). It runs after the shared-servers lane (its
 # environment installs beside the other two first, `test-envs`). As a fourth lane from the
 # start it made CI's `make test` 51.6 min (2026-12-07): four lanes on two cores slowed every
 # server-heavy module 2-9x. Measured on this 2-core machine (2026-12-07, busy host): the dp2
-# files on 0.34 34 passed in 8 min 30 s (server start 339 s); the in-flight file 27 passed.
+# files on 0.34 34 passed in 8 min 30 s (server start 339 s); the keyed and moe_routes files 73
+# passed in 3 min 4 s; the in-flight file 27 passed.
 SERVE34_SUBSET := tests/art_vllm_plugin/test_inflight_update.py \
 	tests/art_vllm_plugin/api_server/test_capabilities.py \
 	tests/art_vllm_plugin/engine_core/test_data_parallel.py \
 	tests/art_vllm_plugin/api_server/test_dp_metrics.py \
 	tests/art_vllm_plugin/test_full_weight_update.py \
 	tests/art_vllm_plugin/test_streamed_weight_update.py \
-	tests/art_vllm_plugin/test_streamed_lora_update.py
+	tests/art_vllm_plugin/test_streamed_lora_update.py \
+	tests/art_vllm_plugin/api_server/test_leases.py \
+	tests/art_vllm_plugin/api_server/test_lease_files.py \
+	tests/art_vllm_plugin/api_server/test_guards.py \
+	tests/art_vllm_plugin/api_server/test_strict_weight_files.py \
+	tests/art_vllm_plugin/api_server/test_control_routes_keyed.py \
+	tests/art_vllm_plugin/api_server/test_feature_states.py \
+	tests/art_vllm_plugin/routes/test_route_serving.py \
+	tests/cross_env/test_moe_parity.py
 test-serve34: serve34-env $(TINY)/.ready
 	$(TEST_CPU) ART_TEST_MODEL_RUNNER=v2 $(SERVE34)/bin/python -m pytest $(SERVE34_SUBSET) -m "not train"
 test-train: train-env
