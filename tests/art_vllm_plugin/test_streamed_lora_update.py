@@ -22,13 +22,11 @@ Checked:
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
 import torch
-from support.adapter_stream import Adapter, stream
-from support.step_hold import update_after_steps
+from support.adapter_stream import LONG, STEPS_BEFORE_UPDATE, Adapter, stream, stream_mid_generation
+from support.greedy import PROMPT
 
 from art_megatron_ext.weights import NixlWeightSender
 from art_protocol.client import ArtClient, ArtError
@@ -39,10 +37,7 @@ pytestmark = pytest.mark.serve
 WORKERS = 2
 #: The trainer's buckets: small, so an adapter's tensors cross bucket boundaries.
 BUCKET_BYTES = 16 * 1024
-PROMPT = "the policy model learns from the reward and the trainer sends"
-LONG = 48
 SHORT = 12
-STEPS_BEFORE_UPDATE = 8
 
 
 @pytest.fixture(scope="module")
@@ -96,29 +91,11 @@ def test_a_streamed_adapter_mid_generation_switches_both_engines(server, sender,
     b_tokens = complete(server.url, "ref_b", max_tokens=LONG)["token_ids"]
     assert a_tokens != b_tokens
     version = start + 1
-    body = {
-        "model": "policy",
-        "prompt": PROMPT,
-        "max_tokens": LONG,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-
-    async def run():
-        pin = {"X-data-parallel-rank": "0"}
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-            return await update_after_steps(
-                client,
-                lambda: client.post("/v1/completions", json=body, headers=pin),
-                STEPS_BEFORE_UPDATE,
-                lambda: stream(sender, "policy", version, adapters["b"]),
-            )
-
-    resp, upd, s0 = asyncio.run(run())
-    assert resp.status_code == 200, resp.text
-    choice = resp.json()["choices"][0]
-    k = upd["step"] - s0
+    choice, upd, k = stream_mid_generation(
+        server.url,
+        lambda: stream(sender, "policy", version, adapters["b"]),
+        headers={"X-data-parallel-rank": "0"},
+    )
     assert STEPS_BEFORE_UPDATE <= k < LONG
     assert choice["policy_spans"] == [
         {"start": 0, "end": k, "slot": "policy", "version": start},

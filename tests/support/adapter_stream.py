@@ -3,13 +3,21 @@ streamed LoRA update tests (test_streamed_lora_update*.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
 from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 
 from art_protocol.adapter_stream import config_bytes
 from art_protocol.digest import digest_bytes
+from support.greedy import PROMPT
+from support.step_hold import update_after_steps
+
+#: Tokens of the generation an update lands in, and engine steps before it lands.
+LONG = 48
+STEPS_BEFORE_UPDATE = 8
 
 
 class Adapter:
@@ -36,3 +44,31 @@ def stream(sender, slot: str, version: int, adapter: Adapter, plan=None, **kw) -
             sink(name, adapter.tensors[name])
 
     return sender.send_adapter(slot, version, adapter.config, plan or adapter.plan(), produce, **kw)
+
+
+def stream_mid_generation(url: str, publish, headers: dict | None = None) -> tuple[dict, dict, int]:
+    """A greedy completion of LONG tokens on slot `policy` with `publish()` (a blocking
+    streamed update) landing after STEPS_BEFORE_UPDATE of its steps (the engine holds itself
+    there: support/step_hold): (the completion's choice, the update's answer, its step within
+    the generation)."""
+    body = {
+        "model": "policy",
+        "prompt": PROMPT,
+        "max_tokens": LONG,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+            return await update_after_steps(
+                http,
+                lambda: http.post("/v1/completions", json=body, headers=headers),
+                STEPS_BEFORE_UPDATE,
+                publish,
+            )
+
+    resp, upd, s0 = asyncio.run(run())
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0], upd, upd["step"] - s0
