@@ -12,7 +12,7 @@ import logging
 import socket
 
 import pytest
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 
 from hybridep import BackendUnavailable, select_backend
 from hybridep.backends import cuda_unavailable_reason

@@ -10,7 +10,7 @@ ranks with the torch backend; the CUDA backend's side is in test_cuda_binding.py
 from __future__ import annotations
 
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 
 
 def _recorded_preprocess_calls(rank: int, world: int) -> list[dict]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 
 HIDDEN = 8
 LOCAL_EXPERTS = 3

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 
 SHAPE = dict(
     hidden_size=32,

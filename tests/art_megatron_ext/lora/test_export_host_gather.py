@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.dist import run_ranks
 from support.gpt_shapes import SMALL
+from support.train_ranks import run_ranks
 
 
 def _is_host_copy(func, args, kwargs) -> bool:

@@ -16,8 +16,8 @@ import traceback
 import numpy as np
 import pytest
 import torch
-from support.dist import run_ranks
 from support.distopt_model import SEQ, SHAPE, global_batch, scheduled_step, wrap_overlapped
+from support.train_ranks import run_ranks
 
 
 def _snapshot(model, slot: str) -> dict:

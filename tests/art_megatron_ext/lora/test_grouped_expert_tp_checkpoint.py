@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 
 SHAPE = dict(
     hidden_size=32,

@@ -21,9 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.dist import run_ranks
 from support.gpt_shapes import SMALL
 from support.gpt_shapes import TINY as SHAPE
+from support.train_ranks import run_ranks
 
 EXPERTS = 4
 STEPS = 2

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.dist import run_ranks
 from support.distopt_model import SHAPE, global_batch, scheduled_step, wrap_overlapped
+from support.train_ranks import run_ranks
 
 STEPS = 4
 BUCKET_SIZE = 1200  # elements: the 16 LoRA tensors (512-768 each) fill several buckets

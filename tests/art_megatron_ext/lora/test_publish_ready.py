@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 
 from art_megatron_ext.lora import publish_ready
 from art_megatron_ext.lora.export import export_peft

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 
 CASES = {
     "swiglu": dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu),

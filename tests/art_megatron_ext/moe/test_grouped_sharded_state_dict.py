@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 
 EXPERTS = 4
 RANK = 4

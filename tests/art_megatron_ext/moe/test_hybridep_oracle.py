@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.dist import run_ranks
 from support.moe_replay import alltoall_and_flex_layers, topk_indices
 from support.moe_replay import rel_diff as _rel
 from support.moe_replay import run_with_replay as _run_layer
+from support.train_ranks import run_ranks
 
 HIDDEN = 16
 TOKENS = 12

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 
 from art_megatron_ext.optim import (
     CheckpointConfig,

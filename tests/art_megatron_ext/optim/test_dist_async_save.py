@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.dist import RankError, run_ranks
 from support.distopt_model import ATOL, build, optimizer_builder, train_step
+from support.train_ranks import RankError, run_ranks
 
 
 def _gated_io(gated_generations: dict[int, threading.Event]):

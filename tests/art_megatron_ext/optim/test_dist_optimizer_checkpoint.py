@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from support.dist import run_ranks
 from support.distopt_model import ATOL, build, optimizer_builder, train_step
+from support.train_ranks import run_ranks
 
 
 class FailManifestReplace:

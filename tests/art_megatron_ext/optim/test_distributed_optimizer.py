@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.dist import run_ranks
 from support.distopt_model import ATOL, optimizer_builder, train_step
 from support.distopt_model import build as build_ddp
+from support.train_ranks import run_ranks
 
 
 def _shard_state(optimizer, named) -> dict:

@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 
 from art_megatron_ext.packing import PackingConfig, pack_groups, tree_attention_mask
 

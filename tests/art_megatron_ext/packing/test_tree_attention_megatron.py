@@ -16,7 +16,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from art_megatron_ext.packing import PackingConfig, pack_groups

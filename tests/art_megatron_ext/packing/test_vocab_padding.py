@@ -10,7 +10,7 @@ second shard is almost all padding, and the padded columns get zero gradient.
 
 import pytest
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 
 from art_megatron_ext.packing.vocab_parallel import vocab_parallel_logprobs
 

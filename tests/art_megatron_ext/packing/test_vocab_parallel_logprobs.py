@@ -19,7 +19,7 @@
 import numpy as np
 import pytest
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 

@@ -15,7 +15,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 
 from art_megatron_ext.compat import megatron_router_replay
 from art_megatron_ext.routing.replay import (

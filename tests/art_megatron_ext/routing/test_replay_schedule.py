@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[3]
 NUM_MB, MB, SEQ = 4, 2, 8

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.dist import run_ranks
+from support.train_ranks import run_ranks
 
 from art_megatron_ext.routing.replay import RouterReplayError, replay_targets
 

@@ -14,8 +14,8 @@ import re
 
 import pytest
 import torch
-from support.dist import run_ranks
 from support.gpt_shapes import TINY
+from support.train_ranks import run_ranks
 from support.weight_stream import collect_stream, randomize_
 
 from art_protocol.weights_digest import WeightsDigest, digest_checkpoint

@@ -18,8 +18,8 @@ import dataclasses
 import pytest
 import torch
 from support.devices import cpu_and_cuda
-from support.dist import run_ranks
 from support.gpt_shapes import TINY
+from support.train_ranks import run_ranks
 
 pytestmark = pytest.mark.train
 

@@ -24,8 +24,8 @@ import dataclasses
 
 import pytest
 import torch
-from support.dist import run_ranks
 from support.model_zoo import DENSE, ZOO_VOCAB, checkpoint
+from support.train_ranks import run_ranks
 from support.weight_stream import collect_stream
 
 pytestmark = pytest.mark.train

@@ -14,8 +14,8 @@ import dataclasses
 
 import pytest
 import torch
-from support.dist import run_ranks
 from support.gpt_shapes import TINY
+from support.train_ranks import run_ranks
 
 pytestmark = pytest.mark.train
 

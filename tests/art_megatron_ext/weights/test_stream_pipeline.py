@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.dist import run_ranks
 from support.model_zoo import checkpoint
+from support.train_ranks import run_ranks
 from support.weight_stream import collect_stream
 
 pytestmark = pytest.mark.train
