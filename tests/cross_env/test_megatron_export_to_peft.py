@@ -57,7 +57,7 @@ def push_adapter_to_running_server(base_url: str, slot: str, adapter_dir: Path, 
                 client,
                 body,
                 update,
-                tokens_before=16,
+                tokens_before=2,
                 settled=lambda ride: ride.tokens_of(version) > 0,
             )
 

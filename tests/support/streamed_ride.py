@@ -13,7 +13,10 @@ and the test ends it itself (it closes the stream; vLLM aborts the request) only
    with the engine's figures (`GET /art/v1/engine`) of that moment.
 
 So the interesting case always happens, and the generation is no longer than it needs to be.
-Should the generation reach `max_tokens` first, the test fails saying where it stood.
+Should the generation reach `max_tokens` first, `settled(ride)` is read once more on all of
+it, once the update answered (its answer comes back after the batch it rode, so on a busy
+host after the generation's last chunk); if it still does not hold, the test fails saying
+where it stood.
 
 No hold: the engine keeps stepping while the update is sent (its stage and commit ride the
 batches, `engine_core/step_rides.py`). Nothing else may run on the server meanwhile.
@@ -118,6 +121,13 @@ async def ride_a_stream(
                 ride.after = await engine_state(client, headers)
                 if settled(ride):
                     return ride  # closing the stream aborts the request
+        if sent is not None:
+            # The generation reached max_tokens: the update may still have settled in it
+            # (its answer comes back after the batch it rode, possibly after the last chunk).
+            ride.update = await sent
+            ride.after = await engine_state(client, headers)
+            if settled(ride):
+                return ride
         if sent is None:
             where = "before the update was sent"
         elif answer_seen_at is None:

@@ -26,6 +26,7 @@ def _state(**slot_versions: int) -> ApiServerState:
         slots=view,
         updates=None,
         base_updates=None,
+        adapter_streams=None,
         api_key_digests=[],
     )
 
