@@ -105,27 +105,24 @@ TEST_LOGS := .cache/test-logs
 test: test-envs $(SERVE)/.triton-ready $(TINY)/.ready
 ifeq ($(TEST_PARALLEL),1)
 	@mkdir -p $(TEST_LOGS); rm -f $(TEST_LOGS)/*.rc; \
-	echo "[test] in the background: train side, then the serve V1 subset, then part of the vLLM 0.34 subset ($(TEST_LOGS)/train.log, v1.log, serve34-after-v1.log), serve modules with their own servers ($(TEST_LOGS)/serve-own.log); here: serve modules on shared servers, then the rest of the vLLM 0.34 subset ($(TEST_LOGS)/serve34.log)"; \
+	echo "[test] in the background: train side, then the serve V1 subset ($(TEST_LOGS)/train.log, v1.log), serve modules with their own servers ($(TEST_LOGS)/serve-own.log); here: serve modules on shared servers, then the vLLM 0.34 subset ($(TEST_LOGS)/serve34.log)"; \
 	{ $(MAKE) --no-print-directory test-train > $(TEST_LOGS)/train.log 2>&1; echo $$? > $(TEST_LOGS)/train.rc; \
-	  $(MAKE) --no-print-directory test-serve-v1 > $(TEST_LOGS)/v1.log 2>&1; echo $$? > $(TEST_LOGS)/v1.rc; \
-	  $(MAKE) --no-print-directory test-serve34 SERVE34_FILES="$(SERVE34_AFTER_V1)" > $(TEST_LOGS)/serve34-after-v1.log 2>&1; echo $$? > $(TEST_LOGS)/serve34b.rc; } & lane=$$!; \
+	  $(MAKE) --no-print-directory test-serve-v1 > $(TEST_LOGS)/v1.log 2>&1; echo $$? > $(TEST_LOGS)/v1.rc; } & lane=$$!; \
 	$(MAKE) --no-print-directory test-serve-v2 SERVERS=own > $(TEST_LOGS)/serve-own.log 2>&1 & own=$$!; \
 	$(MAKE) --no-print-directory test-serve-v2 SERVERS=shared SERVE_V2_IGNORE="$(SERVE34_SUBSET)"; shared_rc=$$?; \
-	$(MAKE) --no-print-directory test-serve34 SERVE34_FILES="$(SERVE34_AFTER_SHARED)" > $(TEST_LOGS)/serve34.log 2>&1; s34_rc=$$?; \
+	$(MAKE) --no-print-directory test-serve34 > $(TEST_LOGS)/serve34.log 2>&1; s34_rc=$$?; \
 	echo "================ serve side, vLLM 0.34 subset ($(TEST_LOGS)/serve34.log) ================"; \
 	cat $(TEST_LOGS)/serve34.log; \
 	wait $$own; own_rc=$$?; \
 	echo "================ serve side, own servers ($(TEST_LOGS)/serve-own.log) ================"; \
 	cat $(TEST_LOGS)/serve-own.log; \
-	wait $$lane; train_rc=$$(cat $(TEST_LOGS)/train.rc); v1_rc=$$(cat $(TEST_LOGS)/v1.rc); s34b_rc=$$(cat $(TEST_LOGS)/serve34b.rc); \
+	wait $$lane; train_rc=$$(cat $(TEST_LOGS)/train.rc); v1_rc=$$(cat $(TEST_LOGS)/v1.rc); \
 	echo "======================== train side ($(TEST_LOGS)/train.log) ========================"; \
 	cat $(TEST_LOGS)/train.log; \
 	echo "=================== serve side, V1 subset ($(TEST_LOGS)/v1.log) ===================="; \
 	cat $(TEST_LOGS)/v1.log; \
-	echo "============ serve side, vLLM 0.34 after V1 ($(TEST_LOGS)/serve34-after-v1.log) ============"; \
-	cat $(TEST_LOGS)/serve34-after-v1.log; \
-	echo "[test] exit: train $$train_rc, serve own servers $$own_rc, serve shared servers $$shared_rc, serve V1 $$v1_rc, serve vLLM 0.34 $$s34_rc and $$s34b_rc"; \
-	test $$train_rc -eq 0 && test $$own_rc -eq 0 && test $$shared_rc -eq 0 && test $$v1_rc -eq 0 && test $$s34_rc -eq 0 && test $$s34b_rc -eq 0
+	echo "[test] exit: train $$train_rc, serve own servers $$own_rc, serve shared servers $$shared_rc, serve V1 $$v1_rc, serve vLLM 0.34 $$s34_rc"; \
+	test $$train_rc -eq 0 && test $$own_rc -eq 0 && test $$shared_rc -eq 0 && test $$v1_rc -eq 0 && test $$s34_rc -eq 0
 else
 	@rc=0; \
 	$(MAKE) --no-print-directory test-train || rc=1; \
@@ -181,19 +178,14 @@ test-serve-v1: serve-env $(TINY)/.ready
 # server-heavy module 2-9x. Measured on this 2-core machine (2026-12-07, busy host): the dp2
 # files on 0.34 34 passed in 8 min 30 s (server start 339 s); the keyed and moe_routes files 73
 # passed in 3 min 4 s; the in-flight file 27 passed.
-# In `make test` it runs in two parts, each server group whole (no server starts twice): the
-# lora and dp2 files after the shared-servers lane, the keyed and moe_routes files after the V1
-# subset. Why: run after the shared lane alone it was the tail of a clean-clone `make test` of
-# 34.0 min (2026-12-07: shared 19.4 + 0.34 11.5 min, while train 19.4 + V1 6.8 and the own
-# servers 26.7 had ended), the keyed and moe_routes part about 3 min of it.
-SERVE34_AFTER_SHARED := tests/art_vllm_plugin/test_inflight_update.py \
+SERVE34_SUBSET := tests/art_vllm_plugin/test_inflight_update.py \
 	tests/art_vllm_plugin/api_server/test_capabilities.py \
 	tests/art_vllm_plugin/engine_core/test_data_parallel.py \
 	tests/art_vllm_plugin/api_server/test_dp_metrics.py \
 	tests/art_vllm_plugin/test_full_weight_update.py \
 	tests/art_vllm_plugin/test_streamed_weight_update.py \
-	tests/art_vllm_plugin/test_streamed_lora_update.py
-SERVE34_AFTER_V1 := tests/art_vllm_plugin/api_server/test_leases.py \
+	tests/art_vllm_plugin/test_streamed_lora_update.py \
+	tests/art_vllm_plugin/api_server/test_leases.py \
 	tests/art_vllm_plugin/api_server/test_lease_files.py \
 	tests/art_vllm_plugin/api_server/test_guards.py \
 	tests/art_vllm_plugin/api_server/test_strict_weight_files.py \
@@ -201,10 +193,8 @@ SERVE34_AFTER_V1 := tests/art_vllm_plugin/api_server/test_leases.py \
 	tests/art_vllm_plugin/api_server/test_feature_states.py \
 	tests/art_vllm_plugin/routes/test_route_serving.py \
 	tests/cross_env/test_moe_parity.py
-SERVE34_SUBSET := $(SERVE34_AFTER_SHARED) $(SERVE34_AFTER_V1)
-SERVE34_FILES ?= $(SERVE34_SUBSET)
 test-serve34: serve34-env $(TINY)/.ready
-	$(TEST_CPU) ART_TEST_MODEL_RUNNER=v2 $(SERVE34)/bin/python -m pytest $(SERVE34_FILES) -m "not train"
+	$(TEST_CPU) ART_TEST_MODEL_RUNNER=v2 $(SERVE34)/bin/python -m pytest $(SERVE34_SUBSET) -m "not train"
 test-train: train-env
 	$(TEST_CPU) $(TRAIN)/bin/python -m pytest tests/art_protocol tests/art_megatron_ext tests/hybridep tests/train_env tests/examples
 
