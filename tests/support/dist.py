@@ -104,33 +104,41 @@ def run_ranks(
         ]
         for p in procs:
             p.start()
-        out: dict[int, Any] = {}
-        try:
-            deadline = time.monotonic() + timeout_s
-            while len(out) < world_size:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = sorted(set(range(world_size)) - set(out))
-                    raise RankError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
-                try:
-                    rank, ok, value = results.get(timeout=min(remaining, 1.0))
-                except queue.Empty:
-                    dead = [
-                        r
-                        for r, p in enumerate(procs)
-                        if r not in out and not p.is_alive() and p.exitcode not in (0, None)
-                    ]
-                    if dead:
-                        codes = {r: procs[r].exitcode for r in dead}
-                        raise RankError(f"ranks exited abnormally (exit codes {codes})") from None
-                    continue
-                if not ok:
-                    raise RankError(f"rank {rank} of {world_size} failed:\n{value}")
-                out[rank] = value
-        finally:
-            for p in procs:
-                p.join(timeout=5.0)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+        return collect(procs, results, world_size, timeout_s)
+
+
+def collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
+    """Each started rank's result from `results` (rank, ok, value), in rank order: a rank that
+    raised or died is a `RankError` at once, past `timeout_s` the missing ranks are named;
+    every process is joined (killed if still alive) whatever happens. Shared by the spawned
+    ranks here and the forked ones of `support.train_ranks`."""
+    out: dict[int, Any] = {}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise RankError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if r not in out and not p.is_alive() and p.exitcode not in (0, None)
+                ]
+                if dead:
+                    codes = {r: procs[r].exitcode for r in dead}
+                    raise RankError(f"ranks exited abnormally (exit codes {codes})") from None
+                continue
+            if not ok:
+                raise RankError(f"rank {rank} of {world_size} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
     return [out[r] for r in range(world_size)]

@@ -21,7 +21,7 @@ What a forked rank shares with a spawned one, and what is made so:
   is reseeded from the OS (a spawned rank seeds it from the OS at import); torch's default
   generator has its import-time default seed in both.
 - failures: a rank that raises, dies or hangs is reported as `support.dist.run_ranks` reports
-  it (a copy of its loop, the same `RankError`; tests/train_env/test_train_ranks.py).
+  it (its `collect` loop, the same `RankError`; tests/train_env/test_train_ranks.py).
 
 On a host with a CUDA GPU (the GPU check's runs) the ranks are spawned as before
 (`support.dist.run_ranks`): a rank that uses CUDA must not be forked from a process whose
@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import atexit
 import os
-import queue
 import signal
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -175,33 +173,4 @@ def run_ranks(
         ]
         for p in procs:
             p.start()
-        out: dict[int, Any] = {}
-        try:
-            deadline = time.monotonic() + timeout_s
-            while len(out) < world_size:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = sorted(set(range(world_size)) - set(out))
-                    raise RankError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
-                try:
-                    rank, ok, value = results.get(timeout=min(remaining, 1.0))
-                except queue.Empty:
-                    dead = [
-                        r
-                        for r, p in enumerate(procs)
-                        if r not in out and not p.is_alive() and p.exitcode not in (0, None)
-                    ]
-                    if dead:
-                        codes = {r: procs[r].exitcode for r in dead}
-                        raise RankError(f"ranks exited abnormally (exit codes {codes})") from None
-                    continue
-                if not ok:
-                    raise RankError(f"rank {rank} of {world_size} failed:\n{value}")
-                out[rank] = value
-        finally:
-            for p in procs:
-                p.join(timeout=5.0)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-    return [out[r] for r in range(world_size)]
+        return dist.collect(procs, results, world_size, timeout_s)
