@@ -59,6 +59,8 @@ Importable without torch or vLLM.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -153,6 +155,14 @@ class TransferPlan:
             "dtypes": list(self.dtypes),
             "shapes": [list(s) for s in self.shapes],
         }
+
+    def body_id(self) -> str:
+        """What "the same body" means for a streamed update's `operation_id` (its part of the
+        fingerprint): the tensors' names, dtypes and shapes in order, not the round (each try
+        of one update opens a fresh one), as a path update's is the path as sent. So a retry
+        whose answer was lost is answered from the server's record before a byte moves."""
+        layout = json.dumps([self.names, self.dtypes, self.shapes], separators=(",", ":"))
+        return "stream " + hashlib.sha256(layout.encode()).hexdigest()
 
     def layout(self) -> dict[str, TensorSpec]:
         """The plan as a checkpoint layout (safetensors dtype codes), to check against the

@@ -8,7 +8,9 @@ The control plane is the trainer's `TCPStore`, which every worker of every engin
 of its own (the server answers once the update committed everywhere or nowhere, i.e. after the
 stream), and the stream itself, sent only once every worker set its ready key in the store: if
 the server answers first, it refused before any worker was receiving (a stale version, a plan
-that does not fit, a staging budget), the refusal is raised and nothing was sent. Each tensor
+that does not fit, a staging budget), the refusal is raised and nothing was sent, or it
+recognised a retried `operation_id` that committed, and its first answer (`replayed`) is
+returned, nothing sent either. Each tensor
 the producer hands over is checked against the plan (`PlanCheck`) before any of its bytes
 move. `art_protocol.weight_transfer` has the wire rules.
 
@@ -182,7 +184,9 @@ class StreamSender:
     ) -> dict:
         """`post()` the update on a thread, stream once every worker is receiving."""
         answer = self._http.submit(post)
-        self._wait_ready(plan, answer, timeout_s)
+        replayed = self._wait_ready(plan, answer, timeout_s)
+        if replayed is not None:
+            return replayed
         try:
             self._stream(plan, produce, answer)
         except BaseException as exc:
@@ -191,18 +195,25 @@ class StreamSender:
             raise
         return answer.result()
 
-    def _wait_ready(self, plan: TransferPlan, answer: Future, timeout_s: float) -> None:
-        """Return once every worker is receiving `plan`'s round; raise the server's refusal
-        when it answered first."""
+    def _wait_ready(self, plan: TransferPlan, answer: Future, timeout_s: float) -> dict | None:
+        """Return None once every worker is receiving `plan`'s round. When the server answered
+        first, nothing is sent: its refusal is raised, and a retried operation that already
+        committed (`replayed`: the first answer, given before any worker received) returned."""
         keys = [ready_key(plan.round, rank) for rank in range(1, self.workers + 1)]
         deadline = time.monotonic() + timeout_s
         while not self.store.check(keys):
-            if answer.done():  # refused before any worker received: nothing to send
-                answer.result()
-                raise RuntimeError("the server answered before its workers were receiving")
+            if answer.done():
+                response = answer.result()  # a refusal raises
+                if response.get("replayed"):
+                    return response
+                raise RuntimeError(
+                    f"the server answered before its workers were receiving round "
+                    f"{plan.round} and the answer is no replay: {response}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"workers not receiving round {plan.round} after {timeout_s} s")
             time.sleep(_POLL_S)
+        return None
 
     def _stream(self, plan: TransferPlan, produce: Produce, answer: Future | None) -> None:
         raise NotImplementedError

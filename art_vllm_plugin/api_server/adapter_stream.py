@@ -10,15 +10,17 @@ How, in two phases:
 
 1. *Receive.* Everything that can be refused without the tensors is refused before a byte
    moves (the trainer waits for every worker's ready key, so it sends nothing): a slot refused
-   for updates (400), unknown (404), a version not newer than the current one or another
-   `expected_version` (409), a plan or config that does not fit the slot (422: the same checks
-   as a path update's, on the plan's names, dtypes and shapes), an adapter over
-   `--art-max-adapter-bytes` (413), no room in the staging directory (507), an engine on
-   another host (501). Then this server writes `adapter_config.json` into a fresh stage and
-   every worker of every engine receives the stream (`engine_core/adapter_streams.py`,
-   `worker/adapter_receive.py`); engine 0's worker 0 writes the tensors as
-   `adapter_model.safetensors` beside the config. A stream that breaks its plan is 422, a
-   transport failure 500; nothing changed either way.
+   for updates (400), unknown (404), an engine on another host (501), a plan or config that
+   does not fit the slot (422: the same checks as a path update's, on the plan's names, dtypes
+   and shapes); then engine 0 admits it as any update (a version not newer than the current
+   one or another `expected_version`: 409; a retry of an operation id that committed is
+   answered `replayed` from engine 0's record, `stream_body` being its body) and the
+   reservation holds until the update ends; then an adapter over `--art-max-adapter-bytes`
+   (413), no room in the staging directory (507). Then this server writes
+   `adapter_config.json` into a fresh stage and every worker of every engine receives the
+   stream (`engine_core/adapter_streams.py`, `worker/adapter_receive.py`); engine 0's worker
+   0 writes the tensors as `adapter_model.safetensors` beside the config. A stream that
+   breaks its plan is 422, a transport failure 500; nothing changed either way.
 2. *Publish.* That stage is then a push (`PushedAdapter`), and the update runs as one
    (`UpdateCoordinator.update`): the files are validated completely (values too) and
    digested, copied for exact leases, staged on every worker with vLLM's own loader, and
@@ -33,6 +35,7 @@ group carries one stream at a time.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import uuid
 from pathlib import Path
@@ -64,6 +67,12 @@ def weights_file_bytes(plan: TransferPlan) -> int:
     return 8 + header + data
 
 
+def stream_body(plan: TransferPlan, cfg: bytes) -> str:
+    """A streamed adapter's body for its operation id: the plan's (`TransferPlan.body_id`)
+    and the adapter's config."""
+    return f"{plan.body_id()} config {hashlib.sha256(cfg).hexdigest()}"
+
+
 class AdapterStreams:
     """Runs streamed LoRA updates through `coordinator` (see the module docstring)."""
 
@@ -72,20 +81,16 @@ class AdapterStreams:
         self.stream_lock = stream_lock
 
     async def update(self, req: UpdateRequest, plan: TransferPlan, config: dict) -> dict:
+        """Run one streamed update to its end, in a task of its own (a client that goes away
+        does not cut a receive or a commit short: as `UpdateCoordinator.update`)."""
+        task = asyncio.ensure_future(self._update(req, plan, config))
+        return await asyncio.shield(task)
+
+    async def _update(self, req: UpdateRequest, plan: TransferPlan, config: dict) -> dict:
         co = self.coordinator
         co.check_push(req)
         current = co.view.slots[req.slot].version
         keeps = f"slot {req.slot!r} keeps serving version {current}; nothing was sent"
-        if req.version <= current:
-            raise UpdateError(
-                409, f"version {req.version} is not newer than the current {current}; {keeps}"
-            )
-        if req.expected_version is not None and req.expected_version != current:
-            raise UpdateError(
-                409,
-                f"expected_version {req.expected_version} is not the current version "
-                f"{current}; {keeps}",
-            )
         if remote := [e.dp_rank for e in co.engines if e.remote]:
             raise UpdateError(
                 501,
@@ -103,6 +108,30 @@ class AdapterStreams:
         except AdapterError as exc:
             raise UpdateError(422, f"{exc}; {keeps}") from exc
         cfg = config_bytes(config)
+        token = uuid.uuid4().hex
+        fingerprint = None
+        if req.operation_id is not None:
+            fingerprint = req.fingerprint(stream_body(plan, cfg))
+        # Engine 0 admits before a byte moves (stale, expected_version, a replayed operation)
+        # and the reservation holds through the receive into the publish.
+        await co.view.ensure_registered()
+        admitted = await co.admit(req, token, fingerprint)
+        if not admitted["ok"]:
+            return admitted["replayed"]
+        keeps = f"slot {req.slot!r} keeps serving version {admitted['version']}"
+        try:
+            pushed = await self._received(req, plan, cfg, keeps)
+        except BaseException:
+            await co.note_failure(token, req.slot)
+            raise
+        # owns the stage from here on
+        return await co.update(req, pushed, token=token, fingerprint=fingerprint)
+
+    async def _received(
+        self, req: UpdateRequest, plan: TransferPlan, cfg: bytes, keeps: str
+    ) -> PushedAdapter:
+        """The stage the stream was received into, as a push of its two files."""
+        co = self.coordinator
         sizes = {CONFIG_FILE: len(cfg), WEIGHTS_FILE: weights_file_bytes(plan)}
         what = f"the adapter streamed as {req.slot}@{req.version}"
         async with self.stream_lock:
@@ -119,15 +148,14 @@ class AdapterStreams:
                     what,
                 )
             except staging.StagingRefused as exc:
-                raise UpdateError(exc.status, f"{exc}; {keeps}") from exc
+                raise UpdateError(exc.status, f"{exc}; {keeps}; nothing was sent") from exc
             try:
                 await self._receive(stage_dir, plan, what, keeps)
             except BaseException:
                 await asyncio.to_thread(staging.remove, stage_dir)
                 raise
         sizes = {name: (stage_dir / name).stat().st_size for name in (CONFIG_FILE, WEIGHTS_FILE)}
-        pushed = PushedAdapter(req, stage_dir, sizes)
-        return await co.update(req, pushed)  # owns the stage from here on
+        return PushedAdapter(req, stage_dir, sizes)
 
     async def _receive(self, stage_dir: Path, plan: TransferPlan, what: str, keeps: str) -> None:
         """Phase 1: every worker receives, engine 0's worker 0 writes the weights file."""

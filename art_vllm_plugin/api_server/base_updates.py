@@ -247,7 +247,7 @@ class BaseUpdater:
         if problems:
             refused = base_files.WeightsRefused(source, problems)
             raise UpdateError(422, f"{refused}; the base weights keep serving version {current}")
-        fingerprint = req.fingerprint(f"stream of {len(plan.names)} tensors")
+        fingerprint = req.fingerprint(plan.body_id())
         if req.operation_id is None:
             fingerprint = None
         async with self._lock, self.stream_lock:

@@ -110,10 +110,19 @@ class UpdateCoordinator:
         self.staging = staging_config or staging.StagingConfig.default()
         self.pushed_copies = pushed_copies or PushedCopies()
 
-    async def update(self, req: UpdateRequest, pushed=None) -> dict:
+    async def update(
+        self,
+        req: UpdateRequest,
+        pushed=None,
+        *,
+        token: str | None = None,
+        fingerprint: str | None = None,
+    ) -> dict:
         """Run one update to its end. `pushed`: the `adapter_push.PushedAdapter` received for
-        it, whose staging directory this update owns from now on (removed when it ends)."""
-        task = asyncio.ensure_future(self._update(req, pushed))
+        it, whose staging directory this update owns from now on (removed when it ends).
+        `token`, `fingerprint`: a reservation the caller already holds, and what the
+        operation id was admitted with (a streamed adapter: `api_server/adapter_stream.py`)."""
+        task = asyncio.ensure_future(self._update(req, pushed, token, fingerprint))
         return await asyncio.shield(task)
 
     def check_push(self, req: UpdateRequest) -> None:
@@ -136,12 +145,12 @@ class UpdateCoordinator:
                 self.engine_client, self.engines, "art_finish_update", token, slot, False
             )
 
-    async def _update(self, req: UpdateRequest, pushed=None) -> dict:
-        token = uuid.uuid4().hex
+    async def _update(self, req: UpdateRequest, pushed=None, token=None, fingerprint=None) -> dict:
+        token = token or uuid.uuid4().hex
         self.view.registry_changing()
         try:
             await self.view.ensure_registered()
-            return await self._update_locked(req, token, pushed)
+            return await self._update_locked(req, token, pushed, fingerprint)
         except BaseException:
             # Also for a bug or a cancellation: never leave a reservation behind.
             await self.note_failure(token, req.slot)
@@ -272,7 +281,9 @@ class UpdateCoordinator:
         files = pushed.read()
         return files, adapter_digest.digest_bytes(files.config, files.weights)
 
-    async def _update_locked(self, req: UpdateRequest, token: str, pushed=None) -> dict:
+    async def _update_locked(
+        self, req: UpdateRequest, token: str, pushed=None, fingerprint: str | None = None
+    ) -> dict:
         t0 = time.perf_counter()
         name = req.slot
         if name in self.view.refused:
@@ -293,7 +304,8 @@ class UpdateCoordinator:
         else:
             files, content = await asyncio.to_thread(self._read_pushed, pushed)
             source = "the pushed adapter"
-        fingerprint = req.fingerprint(content) if req.operation_id is not None else None
+        if fingerprint is None and req.operation_id is not None:
+            fingerprint = req.fingerprint(content)
         async with self._locks.setdefault(name, asyncio.Lock()):
             admitted = await self.admit(req, token, fingerprint)
             if not admitted["ok"]:

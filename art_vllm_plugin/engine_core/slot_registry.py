@@ -174,7 +174,9 @@ class SlotRegistry:
         progress: retry shortly), `replay` (this operation already succeeded: its response),
         `conflict` (operation id reused with another body, or expected_version mismatch),
         `stale` (version not newer), `unknown` slot. Updates of other slots do not matter:
-        one update per slot at a time, any number of slots at once."""
+        one update per slot at a time, any number of slots at once. The holder of the slot's
+        reservation (`token`) is admitted again: a streamed adapter reserves before its bytes
+        move and publishes them under the same reservation (`api_server/adapter_stream.py`)."""
         now = time.time() if now is None else now
         rec = self.record(slot)
         if rec is None:
@@ -183,6 +185,9 @@ class SlotRegistry:
         if held is not None and now - held.since > RESERVATION_TTL_S:
             del self.reservations[slot]
             held = None
+        if held is not None and held.token == token:
+            held.since = now
+            return {"ok": True, "version": rec.version, "server": self.server_id}
         if operation_id is not None:
             seen = self.operations[slot].get(operation_id)
             if seen is not None:

@@ -50,3 +50,18 @@ def _plan(**changes) -> dict:
 def test_bad_streamed_bodies_name_the_field(body, says):
     with pytest.raises(UpdateRequestError, match=says):
         parse_transfer_update(body)
+
+
+def test_a_plan_is_the_same_body_on_every_try_and_another_layout_is_not():
+    """An operation id's retry opens a fresh round: the body it is recognised by leaves the
+    round out and keeps every name, dtype and shape."""
+    tensors = [("a", "bfloat16", (2, 3)), ("b", "float32", (4,))]
+    first, retry = TransferPlan.of("r1", tensors), TransferPlan.of("r2", tensors)
+    assert first.body_id() == retry.body_id()
+    others = [
+        [("a", "bfloat16", (3, 2)), ("b", "float32", (4,))],
+        [("a", "float16", (2, 3)), ("b", "float32", (4,))],
+        [("b", "float32", (4,)), ("a", "bfloat16", (2, 3))],
+        [("a", "bfloat16", (2, 3))],
+    ]
+    assert len({first.body_id(), *(TransferPlan.of("r1", t).body_id() for t in others)}) == 5

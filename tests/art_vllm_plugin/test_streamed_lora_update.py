@@ -17,6 +17,8 @@ Checked:
   files are the server's own copy: the trainer's tensors were never files);
 - a plan or config that does not fit the slot (422) and a stale version (409) are refused
   before a byte moves, and the group carries the next stream;
+- a retried operation id is answered from the first answer (`replayed`) before a byte
+  moves, and the id with another body is refused (409);
 - a stream with a NaN is refused (422) once it arrived; the slot keeps its version.
 """
 
@@ -152,6 +154,26 @@ def test_what_does_not_fit_the_slot_is_refused_before_a_byte_moves(server, sende
     assert complete(server.url, "policy")["token_ids"] == tokens
     # the group is untouched: the next stream goes through
     assert stream(sender, "policy", before + 1, b)["version"] == before + 1
+
+
+def test_a_retried_stream_is_answered_from_its_record_before_a_byte_moves(server, sender, adapters):
+    """The same `operation_id` after its answer was lost: the first answer, `replayed`, and
+    the producer is never called; the id with another body is refused (409), nothing sent."""
+    b = adapters["b"]
+    v = policy_version(server) + 1
+    op = f"lora-stream-retry-{v}"
+    first = stream(sender, "policy", v, b, operation_id=op)
+    produced = []
+    again = sender.send_adapter("policy", v, b.config, b.plan(), produced.append, operation_id=op)
+    assert again["replayed"] is True and not produced
+    assert {k: again[k] for k in ("version", "digest", "step")} == {
+        k: first[k] for k in ("version", "digest", "step")
+    }
+    a = adapters["a"]
+    with pytest.raises(ArtError) as reused:
+        sender.send_adapter("policy", v + 1, a.config, a.plan(), produced.append, operation_id=op)
+    assert reused.value.status == 409 and "different body" in reused.value.message
+    assert not produced and policy_version(server) == v
 
 
 def test_a_stream_with_a_nan_is_refused_once_it_arrived(server, sender, adapters):

@@ -22,7 +22,8 @@ Checked:
   group still serves the next update;
 - a stream with a NaN, or whose digest is not the request's, is refused (422) after it was
   received, and the engines keep the old weights;
-- a stale version is refused (409) before anything is sent;
+- a stale version is refused (409) before anything is sent, and a retried operation id is
+  answered from the first answer (`replayed`) before anything is sent;
 - a files update after a streamed one whose commit fails on engine 1 puts engine 0 back on
   the streamed weights (which only the workers' host memory holds);
 - a LoRA update of a slot stages and commits on both engines while every worker waits for a
@@ -172,6 +173,25 @@ def test_a_stale_version_is_refused_before_anything_is_sent(server, sender):
         stream(sender, current, weights)
     assert stale.value.status == 409 and "not newer" in stale.value.message
     assert base_versions(server) == [current, current]
+
+
+def test_a_retried_stream_is_answered_from_its_record_before_anything_is_sent(server, sender):
+    """The same `operation_id` after its answer was lost: the first answer, `replayed`, and
+    the producer is never called; the id with another body is refused (409), nothing sent."""
+    v = server.version()
+    weights = tensors_of(export(server, "retried", noise=0.05, seed=15))
+    op = f"stream-retry-{v}"
+    first = stream(sender, v, weights, operation_id=op)
+    produced = []
+    again = sender.send(v, plan_of(weights), produced.append, operation_id=op)
+    assert again["replayed"] is True and not produced
+    assert {k: again[k] for k in ("version", "digest", "step")} == {
+        k: first[k] for k in ("version", "digest", "step")
+    }
+    with pytest.raises(ArtError) as reused:
+        sender.send(v + 1, plan_of(weights), produced.append, operation_id=op)
+    assert reused.value.status == 409 and "different body" in reused.value.message
+    assert not produced and base_versions(server) == [v, v]
 
 
 def test_a_failed_files_update_reverts_engine_0_to_the_streamed_weights(server, sender):

@@ -71,6 +71,19 @@ def test_one_update_per_slot_at_a_time_and_a_retry_of_it_waits():
     assert r.reserve("t2", "policy", 1, 0, "op2", "fp")["kind"] == "conflict"
 
 
+def test_the_holder_of_a_reservation_is_admitted_again_and_others_still_wait():
+    """A streamed adapter reserves before its bytes move, then publishes them under the same
+    reservation: its token is admitted again (the same operation from another token waits)."""
+    r = registry()
+    assert r.reserve("t1", "policy", 1, 0, "op", "fp", now=1000.0)["ok"]
+    again = r.reserve("t1", "policy", 1, 0, "op", "fp", now=1001.0)
+    assert again == {"ok": True, "version": 0, "server": r.server_id}
+    assert r.reservations["policy"].since == 1001.0  # renewed
+    assert r.reserve("t2", "policy", 1, 0, "op", "fp", now=1001.0)["kind"] == "busy"
+    finish_ok(r, "t1", 1, "op", "fp")
+    assert r.reserve("t1", "policy", 1, 0, "op", "fp")["kind"] == "replay"  # ended: no holder
+
+
 def test_a_reservation_of_a_dead_api_server_expires():
     r = registry()
     assert r.reserve("t1", "policy", 1, None, None, None, now=1000.0)["ok"]
