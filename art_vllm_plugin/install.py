@@ -46,7 +46,7 @@ def install_cli(on_select: Callable[[], None]) -> None:
 
 def install_selected_process(plugin_handover: Callable) -> None:
     """Every process where `art` is selected (after the version check)."""
-    from art_vllm_plugin import executor_guard, expert_layout, host_layout
+    from art_vllm_plugin import executor_guard, host_layout
     from art_vllm_plugin.routes import config as routes_config
 
     # 0.34's direct reload mode has no rollback: a failed full-weight write could not be
@@ -56,8 +56,6 @@ def install_selected_process(plugin_handover: Callable) -> None:
     compat.wrap(P.EXECUTOR_GUARD, executor_guard.refuse_untested_executor)
     # Staged files must reach every worker: engines spanning hosts are refused there too.
     compat.wrap(P.HOST_LAYOUT_GUARD, host_layout.refuse_workers_across_hosts)
-    # An MoE model's experts span the DP engines, which commit at their own steps: refused.
-    compat.wrap(P.EXPERT_LAYOUT_GUARD, expert_layout.refuse_experts_across_engines)
     # The config check runs wherever a VllmConfig is built (API server and EngineCore).
     compat.wrap(P.AUX_OUTPUT_CHECK, routes_config.worker_path_check(compat.routes_use_worker_path))
     install_engine_core()
@@ -78,6 +76,7 @@ def install_engine_core() -> None:
         batch_stamps,
         blocked_slots,
         cache_salting,
+        commit_windows,
         core_pinning,
         figures_push,
         lease_records,
@@ -93,6 +92,8 @@ def install_engine_core() -> None:
     compat.add_all(P.BASE_UPDATE_UTILITIES, base_updates)
     # A streamed LoRA adapter: every worker receives it, one writes it (then a push's update).
     compat.add_all(P.ADAPTER_STREAM_UTILITIES, adapter_streams)
+    # Engine 0 holds the one commit window of a DP group whose experts span the engines.
+    compat.add_all(P.COMMIT_WINDOW_UTILITIES, commit_windows)
     # Engines on another host stage from bytes sent in the call (relayed_stages.py).
     compat.add_all(P.RELAYED_STAGE_UTILITIES, relayed_stages)
     # Slot updates ride the next step; an engine that will not step sends them as an RPC.
@@ -193,6 +194,10 @@ def install_worker() -> None:
 
         compat.wrap(P.MOE_CONFIG_POST_INIT, moe_lora_cpu.keep_cpu_experts)
         compat.wrap(P.MOE_LORA_FORMAT, moe_lora_cpu.refuse_expert_weights)
+        # A full-weight update of an MoE model: the experts' prepack on every write.
+        from art_vllm_plugin.worker import cpu_moe_updates
+
+        compat.wrap(P.CPU_MOE_UPDATE_PREPACK, cpu_moe_updates.prepack_on_updates)
 
 
 def install_api_server() -> None:
@@ -236,3 +241,9 @@ def install_api_server() -> None:
         P.COMPLETION_PROMPT_LOGPROBS_GUARD, request_refusals.refuse_completion_prompt_logprobs
     )
     compat.wrap(P.CHAT_PROMPT_LOGPROBS_GUARD, request_refusals.refuse_chat_prompt_logprobs)
+    # An MoE model over DP engines commits inside a pause of every engine (expert_cut): a
+    # client's pause or resume waits for it.
+    from art_vllm_plugin.api_server import expert_cut
+
+    compat.wrap(P.CLIENT_PAUSE_HOLD, expert_cut.hold_client_pauses)
+    compat.wrap(P.CLIENT_RESUME_HOLD, expert_cut.hold_client_pauses)

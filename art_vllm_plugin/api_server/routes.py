@@ -11,7 +11,7 @@ from art_protocol.adapter_stream import is_adapter_stream, parse_adapter_stream
 from art_protocol.updates import UpdateRequestError
 from art_protocol.weight_updates import is_transfer, parse_transfer_update, parse_weights_update
 from art_vllm_plugin import compat, features, install
-from art_vllm_plugin.api_server import adapter_push, lease_routes, leases
+from art_vllm_plugin.api_server import adapter_push, commit_lags, expert_cut, lease_routes, leases
 from art_vllm_plugin.api_server.auth import require_api_key
 from art_vllm_plugin.api_server.update_coordinator import UpdateError, parse_update
 from art_vllm_plugin.version import __version__
@@ -180,7 +180,10 @@ async def weights(request: Request) -> dict:
     of its total and the seconds since anything arrived (`api_server/base_progress.py`),
     else null. While an update runs, an engine that does not answer within a second (one
     of several workers receives a stream between steps) leaves the version and `staging` as
-    last read, with `engines_answered: false`."""
+    last read, with `engines_answered: false`. `commit_window`: whether this server's
+    commits pause every engine at one step (an MoE model's experts across DP engines: why),
+    how many windows this API server opened (and how many inside a client's pause), and the
+    last one's pause and whole length (`api_server/expert_cut.py`)."""
     art = request.app.state.art
     updates = art.base_updates
     progress = await updates.progress.view()
@@ -197,12 +200,14 @@ async def weights(request: Request) -> dict:
     if not answered:  # an engine receiving a stream between steps answers once it is in
         base["engines_answered"] = False
     base["progress"] = progress
+    base["commit_window"] = expert_cut.window_of(art.engine_client).figures()
     return base
 
 
 #: Faults the test hook arms: a commit that fails after its writes (restored), a staging that
-#: fails, a commit whose restore is reported failed (the slot is blocked: blocked_slots).
-FAULT_KINDS = ("commit", "stage", "unknown")
+#: fails, a commit whose restore is reported failed (the slot is blocked: blocked_slots), a
+#: commit call sent late (`commit_lags`).
+FAULT_KINDS = ("commit", "stage", "unknown", "lag")
 
 
 @router.post("/v1/test/fault")
@@ -213,12 +218,24 @@ async def test_fault(request: Request):
     of DP engine D (default 0), the next update's commit fails after writing its weights
     ("commit"), or its staging fails ("stage"), to exercise the all-or-nothing restore; with
     "unknown" the commit fails and its restore is reported failed (the blocked-slot rule).
+    `{"kind": "lag", "seconds": S, "engine": D}`: this API server sends the next commit call
+    to engine D S seconds late (`commit_lags`).
     """
     if os.environ.get("ART_TEST_HOOKS") != "1":
         return _error(404, "Not Found")
     body = await request.json()
     kind, rank, engine = body.get("kind"), body.get("rank"), body.get("engine", 0)
     targets = dict(compat.engine_targets(request.app.state.art.engine_client))
+    if kind == "lag":
+        seconds = body.get("seconds")
+        if not isinstance(seconds, (int, float)) or not 0 < seconds <= 60 or engine not in targets:
+            return _error(
+                400,
+                f'body must be {{"kind": "lag", "seconds": <0..60>, "engine": <dp rank in '
+                f"{sorted(targets)}>}}",
+            )
+        commit_lags.arm(engine, float(seconds))
+        return {"armed": {"kind": kind, "seconds": seconds, "engine": engine}}
     if kind not in FAULT_KINDS or not isinstance(rank, int) or engine not in targets:
         return _error(
             400,

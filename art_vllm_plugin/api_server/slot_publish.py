@@ -23,7 +23,8 @@ reaches engine 0 only, or returns only the first engine's answer):
    tensors in on all its workers (all or nothing within the engine) and records the version,
    path and digest in that engine's slot registry; if any engine fails to commit, the
    engines that committed revert (`art_revert_lora_update`), so every engine ends on the old
-   version;
+   version. Where an MoE model's experts span the engines, this step runs while every engine
+   is paused at one step of their group (`api_server/expert_cut.py`);
 5. abort what is still staged and remove the staging directory, whatever happened.
 
 Errors are sorted by what is known: the adapter refused by a worker's loader is 422 (the old
@@ -44,6 +45,7 @@ from pathlib import Path
 from art_protocol.weight_updates import slot_named
 from art_vllm_plugin import compat, host_layout, stage_progress, staging
 from art_vllm_plugin.adapters import AdapterFiles
+from art_vllm_plugin.api_server import commit_lags, expert_cut
 from art_vllm_plugin.api_server.stage_deadline import EngineSeen, StallRule, StallWatch
 
 #: How long workers may take to stage an adapter before the update is abandoned, and how long
@@ -114,6 +116,13 @@ async def call_all(engine_client, engines: list[Engine], method: str, *args) -> 
     """One call per engine, concurrently; an engine's exception is returned, not raised."""
     return await asyncio.gather(
         *(call(engine_client, e, method, *args) for e in engines), return_exceptions=True
+    )
+
+
+async def _commit(engine_client, engine: Engine, token, path, digest, operation_id):
+    await commit_lags.wait_before_commit(engine.dp_rank)  # a test hook; no wait unless armed
+    return await call(
+        engine_client, engine, "art_commit_lora_update", token, path, digest, operation_id
     )
 
 
@@ -227,11 +236,21 @@ async def stage_and_commit(
         if check_staged is not None:
             digest = await check_staged(ranks)
         stage_ms = (time.perf_counter() - t0) * 1000.0
-        results = await call_all(
-            engine_client, engines, "art_commit_lora_update", token, path, digest, operation_id
-        )
-        staged = []  # a commit call consumes what was staged, whatever its outcome
-        await settle_commits(engine_client, engines, results, token, slot, version, keeps)
+        # An MoE model's experts across engines: no engine steps from the commit to the
+        # last revert (expert_cut); elsewhere each engine commits at its own next step.
+        try:
+            async with expert_cut.commit_window(engine_client):
+                results = await asyncio.gather(
+                    *(
+                        _commit(engine_client, e, token, path, digest, operation_id)
+                        for e in engines
+                    ),
+                    return_exceptions=True,
+                )
+                staged = []  # a commit call consumes what was staged, whatever its outcome
+                await settle_commits(engine_client, engines, results, token, slot, version, keeps)
+        except expert_cut.CommitWindowError as exc:
+            raise PublishError(500, f"{exc}; {keeps}") from exc
         committed = True
         receipts = [
             {

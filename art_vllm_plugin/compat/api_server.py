@@ -31,6 +31,25 @@ async def call_engine_utility(engine_client, method: str, *args):
     return await engine_client.engine_core.call_utility_async(method, *args)
 
 
+async def engines_paused(engine_client) -> bool:
+    """Whether the engines' schedulers are paused (every engine must agree:
+    `is_scheduler_paused_async` raises when they differ)."""
+    return bool(await engine_client.engine_core.is_scheduler_paused_async())
+
+
+async def pause_engines_keeping_requests(engine_client) -> None:
+    """Pause every engine's scheduler, requests kept (`mode="keep"`, caches kept), and return
+    once none steps: with data parallelism the engines stop after the same step of their
+    group (`DPEngineCoreProc._pause_complete`'s two-phase consensus), so none has a batch in
+    flight when this returns."""
+    await engine_client.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+
+
+async def resume_engines(engine_client) -> None:
+    """Resume every engine's scheduler (DP engines resume together: `resume_scheduler`)."""
+    await engine_client.engine_core.resume_scheduler_async()
+
+
 def engine_targets(engine_client) -> list[tuple[int, object]]:
     """(dp_rank, engine identity) of every engine this API server manages, engine 0 first."""
     core = engine_client.engine_core

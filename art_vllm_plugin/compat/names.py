@@ -638,6 +638,12 @@ GET_ORIGINAL_LOADER = VllmName(
     "a staging tensor takes the loader vLLM made, without the layerwise wrapper that a reload "
     "leaves on the recorded loaded form (it would drop every tensor as excessive loading)",
 )
+CPU_UNQUANTIZED_EXPERTS = VllmName(
+    "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
+    "CPUUnquantizedExperts",
+    "class",
+    "a rebuilt MoE layer on CPU needs its experts' prepack, which vLLM skips on weight updates",
+)
 QUANTIZE_METHOD_BASE = VllmName(
     "vllm.model_executor.layers.quantization.base_config",
     "QuantizeMethodBase",

@@ -160,6 +160,14 @@ ADAPTER_STREAM_UTILITIES = adds(
     why="utility call that has every worker receive a LoRA adapter the trainer streams, one "
     "of them writing it where the API server stages it (the update then goes as a push)",
 )
+COMMIT_WINDOW_UTILITIES = adds(
+    _ENGINE,
+    "EngineCore",
+    ("art_take_commit_window", "art_give_commit_window"),
+    by="engine_core.commit_windows",
+    why="engine 0 holds the one commit window of its DP group (an MoE model's experts across "
+    "engines), so API servers' windows and clients' pauses never overlap",
+)
 RELAYED_STAGE_UTILITIES = adds(
     _ENGINE,
     "EngineCore",
@@ -257,6 +265,12 @@ MOE_CONFIG_POST_INIT = VllmPatch(
     "FusedMoEConfig.__post_init__",
     by="worker.moe_lora_cpu.keep_cpu_experts",
     why="CPU build: LoRA that leaves the experts out keeps the CPU MoE kernel",
+)
+CPU_MOE_UPDATE_PREPACK = VllmPatch(
+    "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
+    "UnquantizedFusedMoEMethod.process_weights_after_loading",
+    by="worker.cpu_moe_updates.prepack_on_updates",
+    why="CPU build: a weight update's MoE layers get the experts' prepack vLLM skips on updates",
 )
 MOE_LORA_FORMAT = VllmPatch(
     "vllm.lora.model_manager",
@@ -359,11 +373,17 @@ HOST_LAYOUT_GUARD = VllmPatch(
     by="host_layout.refuse_workers_across_hosts",
     why="refuses engines whose workers span hosts (they could not see their stage)",
 )
-EXPERT_LAYOUT_GUARD = VllmPatch(
-    "vllm.engine.arg_utils",
-    "EngineArgs.create_engine_config",
-    by="expert_layout.refuse_experts_across_engines",
-    why="refuses MoE models over several DP engines (experts of two versions under one label)",
+CLIENT_PAUSE_HOLD = VllmPatch(
+    "vllm.v1.engine.async_llm",
+    "AsyncLLM.pause_generation",
+    by="api_server.expert_cut.hold_client_pauses",
+    why="a client's pause waits while an update's commit window holds MoE DP engines paused",
+)
+CLIENT_RESUME_HOLD = VllmPatch(
+    "vllm.v1.engine.async_llm",
+    "AsyncLLM.resume_generation",
+    by="api_server.expert_cut.hold_client_pauses",
+    why="a client's resume waits while an update's commit window holds MoE DP engines paused",
 )
 
 # -- every worker of an engine on its host (engine_core/worker_hosts.py) -------------------

@@ -221,3 +221,11 @@ def served_weights(worker):
     config = runner.vllm_config
     loader = load(names.GET_MODEL_LOADER)(config.load_config)
     return loader.get_all_weights(config.model_config, runner.get_model())
+
+
+def cpu_prepacking_experts(method):
+    """The CPU experts of a fused-MoE quant method (`moe_kernel.fused_experts`, a
+    `CPUUnquantizedExperts`: its processing prepacks w13/w2 for the CPU grouped GEMM), or
+    None."""
+    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    return experts if isinstance(experts, load(names.CPU_UNQUANTIZED_EXPERTS)) else None

@@ -152,6 +152,9 @@ class EngineCoreState:
     #: (`relayed_stages`): token -> (stage directory, this engine's marker directory).
     relayed: dict[str, tuple[str, str]] = field(default_factory=dict)
     relayed_total: int = 0  # relayed stages written on this engine's host
+    #: Engine 0: the commit window held by an API server, or a client's pause or resume
+    #: waiting for none (`commit_windows`); None when free.
+    commit_window: Any = None
 
     def drop_relayed(self, token: str) -> bool:
         """Remove the relayed stage of `token`, if any (its update ended or was abandoned)."""
