@@ -10,7 +10,7 @@ How, in two phases:
 
 1. *Receive.* Everything that can be refused without the tensors is refused before a byte
    moves (the trainer waits for every worker's ready key, so it sends nothing): a slot refused
-   for updates (400), unknown (404), an engine on another host (501), a plan or config that
+   for updates (400), unknown (404), a plan or config that
    does not fit the slot (422: the same checks as a path update's, on the plan's names, dtypes
    and shapes); then engine 0 admits it as any update (a version not newer than the current
    one or another `expected_version`: 409; a retry of an operation id that committed is
@@ -18,8 +18,10 @@ How, in two phases:
    reservation holds until the update ends; then an adapter over `--art-max-adapter-bytes`
    (413), no room in the staging directory (507). Then this server writes
    `adapter_config.json` into a fresh stage and every worker of every engine receives the
-   stream (`engine_core/adapter_streams.py`, `worker/adapter_receive.py`); engine 0's worker
-   0 writes the tensors as `adapter_model.safetensors` beside the config. A stream that
+   stream (`engine_core/adapter_streams.py`, `worker/adapter_receive.py`; an engine on
+   another host keeps its workers' markers on its own host: `relayed_stages`); engine 0's
+   worker 0 writes the tensors as `adapter_model.safetensors` beside the config, and the
+   publish relays the files to engines on other hosts as for any push. A stream that
    breaks its plan is 422, a transport failure 500; nothing changed either way.
 2. *Publish.* That stage is then a push (`PushedAdapter`), and the update runs as one
    (`UpdateCoordinator.update`): the files are validated completely (values too) and
@@ -91,13 +93,6 @@ class AdapterStreams:
         co.check_push(req)
         current = co.view.slots[req.slot].version
         keeps = f"slot {req.slot!r} keeps serving version {current}; nothing was sent"
-        if remote := [e.dp_rank for e in co.engines if e.remote]:
-            raise UpdateError(
-                501,
-                f"engines {remote} run on another host than this API server: a streamed "
-                f"adapter is received on this host's engines only (not built); push the "
-                f"adapter's files instead; {keeps}",
-            )
         source = Path(f"<stream of {req.slot}@{req.version}, round {plan.round}>")
         layout = {s: (spec.dtype, spec.shape) for s, spec in plan.layout().items()}
         try:
@@ -164,31 +159,49 @@ class AdapterStreams:
         await asyncio.to_thread(markers.mkdir, 0o700)
         token = f"receive-{uuid.uuid4().hex}"
         calls = [
-            slot_publish.call(
-                co.engine_client,
-                e,
-                "art_receive_adapter",
-                token,
-                plan.to_json(),
-                str(staging.marker_dir(markers, e.dp_rank)),
-                str(stage_dir) if e.dp_rank == 0 else None,
-            )
-            for e in co.engines
+            _receive_call(co.engine_client, e, token, plan, markers, stage_dir) for e in co.engines
         ]
         answers = await asyncio.gather(*calls, return_exceptions=True)
-        for answer in answers:
-            if isinstance(answer, BaseException):
-                raise _as_update_error(slot_publish.engine_failure(answer, "the stream", keeps))
-            if not answer["ok"]:
-                raise UpdateError(answer.get("status", 500), f"{answer['error']}; {keeps}")
-        ranks = [answer["ranks"] for answer in answers]
         try:
-            await slot_publish.wait_staged(
-                co.engine_client, markers, co.engines, ranks, what, keeps, token
-            )
-        except slot_publish.PublishError as exc:
-            raise _as_update_error(exc) from exc
+            for answer in answers:
+                if isinstance(answer, BaseException):
+                    failure = slot_publish.engine_failure(answer, "the stream", keeps)
+                    raise _as_update_error(failure)
+                if not answer["ok"]:
+                    raise UpdateError(answer.get("status", 500), f"{answer['error']}; {keeps}")
+            ranks = [answer["ranks"] for answer in answers]
+            try:
+                await slot_publish.wait_staged(
+                    co.engine_client, markers, co.engines, ranks, what, keeps, token
+                )
+            except slot_publish.PublishError as exc:
+                raise _as_update_error(exc) from exc
+        finally:
+            if remote := [e for e in co.engines if e.remote]:
+                # Their markers were on their own hosts (a lost engine took its own along).
+                await slot_publish.in_background(
+                    slot_publish.call_all(co.engine_client, remote, "art_drop_relayed", token)
+                )
         await asyncio.to_thread(staging.remove, markers)
+
+
+def _receive_call(engine_client, e, token: str, plan: TransferPlan, markers: Path, stage_dir):
+    """Engine `e`'s workers receive the stream: their markers in this server's stage, or for
+    an engine on another host in a directory on its own host (`relayed_stages`); engine 0's
+    worker 0 writes the weights file into `stage_dir`."""
+    if e.remote:
+        return slot_publish.call(
+            engine_client, e, "art_receive_adapter_relayed", token, plan.to_json(), e.dp_rank
+        )
+    return slot_publish.call(
+        engine_client,
+        e,
+        "art_receive_adapter",
+        token,
+        plan.to_json(),
+        str(staging.marker_dir(markers, e.dp_rank)),
+        str(stage_dir) if e.dp_rank == 0 else None,
+    )
 
 
 def _as_update_error(exc: slot_publish.PublishError) -> UpdateError:

@@ -174,6 +174,7 @@ RELAYED_STAGE_UTILITIES = adds(
     (
         "art_stage_relayed",
         "art_stage_base_relayed",
+        "art_receive_adapter_relayed",
         "art_stage_markers",
         "art_stage_ready_texts",
         "art_drop_relayed",

@@ -14,6 +14,10 @@ an abort or an abandoned update removes it too (`abandoned_updates`).
 Cost: the engine writes the adapter's bytes once, on its busy loop, inside the stage call (a
 tmpfs write: about a millisecond per MB here); the local engines stage as before.
 
+A streamed LoRA adapter (`art_receive_adapter_relayed`) needs no bytes here either: the
+workers receive the trainer's stream, and only their markers need a directory on this host
+(the publish that follows relays the adapter's files as above).
+
 A streamed full-weight update (`art_stage_base_relayed`) needs no bytes here: the workers
 receive the trainer's stream themselves; only their markers need a directory on this host,
 and the digest each worker received is read back with `art_stage_ready_texts`, and how far
@@ -23,7 +27,7 @@ each got while it receives with `base_updates.art_stage_progress` (the stage's d
 from __future__ import annotations
 
 from art_vllm_plugin import staging
-from art_vllm_plugin.engine_core import base_updates, slot_updates
+from art_vllm_plugin.engine_core import adapter_streams, base_updates, slot_updates
 from art_vllm_plugin.engine_core.state import engine_state
 
 
@@ -89,6 +93,22 @@ def art_stage_base_relayed(
         return {"ok": False, "kind": "staging", "status": status, "error": str(exc)}
     markers = staging.marker_dir(stage_dir, engine)
     res = base_updates.art_stage_base_update(self, token, plan, version, str(markers), digest)
+    return _keep(self, token, res, stage_dir, markers)
+
+
+def art_receive_adapter_relayed(self, token: str, plan: dict, engine: int) -> dict:
+    """Have this engine's workers receive a streamed LoRA adapter with their markers in a
+    directory on this host (`engine`: this engine's DP rank); none of them writes the
+    adapter (engine 0's worker 0 does, on the API server's host). Answers like
+    `adapter_streams.art_receive_adapter`."""
+    try:
+        config = staging.StagingConfig.create(None, None)
+        stage_dir = staging.new_stage_dir(config, "receive", 0)
+    except (staging.StagingRefused, staging.StagingDirError, OSError) as exc:
+        status = getattr(exc, "status", 500)
+        return {"ok": False, "kind": "staging", "status": status, "error": str(exc)}
+    markers = staging.marker_dir(stage_dir, engine)
+    res = adapter_streams.art_receive_adapter(self, token, plan, str(markers), None)
     return _keep(self, token, res, stage_dir, markers)
 
 

@@ -17,6 +17,8 @@ stage is left in either staging directory. Full weights: a files update is refus
 engine 1 cannot read the head's stage) and a streamed one (`art_gloo`, both processes run
 `--weight-transfer-config`) commits on both engines, engine 1 keeping its workers' markers on
 its own host; both then serve the new weights. That test runs last: it moves the base weights.
+A LoRA adapter streamed over the same group (no files, no body) commits on both engines, engine
+1's workers receiving it with their markers on their own host.
 
 The module starts its own pair of processes: the layout (two processes, two staging
 directories, no shared adapter root) is the subject of every test here.
@@ -32,6 +34,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.adapter_stream import Adapter, stream
 from support.adapters import copy_adapter
 from support.greedy import greedy_tokens as tokens
 
@@ -180,6 +183,31 @@ def test_a_stage_that_fails_on_the_remote_engine_changes_no_engine(two_hosts, ti
     assert failed.value.status == 500, failed.value
     assert "engine 1 worker rank 0 failed to stage" in str(failed.value)
     assert engine_versions(two_hosts.url) == before
+    assert two_hosts.stages() == {0: [], 1: []}, "a stage was left behind"
+
+
+def test_a_streamed_adapter_commits_on_both_hosts(two_hosts, tiny_adapters):
+    """No files and no HTTP body: the trainer streams adapter b's tensors over its group;
+    engine 1's workers receive them too and keep their markers on their own host, and the
+    publish relays the adapter's files there as for a push."""
+    before = engine_versions(two_hosts.url)
+    version = max(before.values()) + 1
+    relayed = two_hosts.engine(1)["relayed_stages"]
+    b = Adapter(tiny_adapters / "b")
+    with ArtClient(two_hosts.url, timeout=300) as art:
+        sender = GlooWeightSender.connect(art, workers=2, timeout_s=120)
+        try:
+            resp = stream(sender, "policy", version, b)
+        finally:
+            sender.close()
+    assert resp["version"] == version and resp["digest"] == b.digest()
+    assert [(r["engine"], r["version"]) for r in resp["receipts"]] == [(0, version), (1, version)]
+    assert engine_versions(two_hosts.url) == {0: version, 1: version}
+    # its receive markers, then the publish's relayed stage, both on its own host
+    assert two_hosts.engine(1)["relayed_stages"] == relayed + 2
+    reference = tokens(two_hosts.url, "ref_b")
+    for _ in range(4):  # the engines take turns: both answer with the streamed adapter
+        assert tokens(two_hosts.url, "policy") == reference
     assert two_hosts.stages() == {0: [], 1: []}, "a stage was left behind"
 
 
