@@ -66,7 +66,11 @@ class Ride:
 
 
 async def engine_state(client: httpx.AsyncClient, headers: dict[str, str] | None = None) -> dict:
-    resp = await client.get("/art/v1/engine", headers=headers)
+    """`GET /art/v1/engine` on a connection of its own, closed after the answer: between two
+    reads the keep-alive connection may idle past the server's keep-alive timeout (5 s), and a
+    read sent as the server closes it fails ("Server disconnected without sending a
+    response", seen on a busy host)."""
+    resp = await client.get("/art/v1/engine", headers={**(headers or {}), "Connection": "close"})
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -111,8 +115,15 @@ async def ride_a_stream(
                         sent = asyncio.ensure_future(
                             client.post(update_route, json=update, headers=headers)
                         )
+                        await asyncio.sleep(0)
                     continue
-                if not sent.done() or not fresh:
+                if not sent.done():
+                    # Let the update's request run: reading chunks already buffered does not
+                    # yield to the event loop, so on a busy host (the test behind the
+                    # server) the update's request could wait for the end of the stream.
+                    await asyncio.sleep(0)
+                    continue
+                if not fresh:
                     continue
                 if answer_seen_at is None:
                     answer_seen_at = len(ride.tokens)
