@@ -80,20 +80,35 @@ def _keep(self, token: str, res: dict, stage_dir, markers) -> dict:
     return res
 
 
+def _with_relayed_markers(self, token: str, name: str, version: int, engine: int, start):
+    """`start(markers)` with the workers' markers in a fresh stage directory on this host
+    (`engine`: this engine's DP rank), kept while it answers ok (`_keep`); a stage this host
+    cannot make is refused (`kind` "staging", with the HTTP `status`)."""
+    try:
+        config = staging.StagingConfig.create(None, None)
+        stage_dir = staging.new_stage_dir(config, name, version)
+    except (staging.StagingRefused, staging.StagingDirError, OSError) as exc:
+        status = getattr(exc, "status", 500)
+        return {"ok": False, "kind": "staging", "status": status, "error": str(exc)}
+    markers = staging.marker_dir(stage_dir, engine)
+    return _keep(self, token, start(str(markers)), stage_dir, markers)
+
+
 def art_stage_base_relayed(
     self, token: str, plan: dict, version: int, digest: str | None, engine: int
 ) -> dict:
     """Stage a streamed full-weight update with the workers' markers in a directory on this
     host (`engine`: this engine's DP rank). Answers like `art_stage_base_update`."""
-    try:
-        config = staging.StagingConfig.create(None, None)
-        stage_dir = staging.new_stage_dir(config, "base", version)
-    except (staging.StagingRefused, staging.StagingDirError, OSError) as exc:
-        status = getattr(exc, "status", 500)
-        return {"ok": False, "kind": "staging", "status": status, "error": str(exc)}
-    markers = staging.marker_dir(stage_dir, engine)
-    res = base_updates.art_stage_base_update(self, token, plan, version, str(markers), digest)
-    return _keep(self, token, res, stage_dir, markers)
+    return _with_relayed_markers(
+        self,
+        token,
+        "base",
+        version,
+        engine,
+        lambda markers: base_updates.art_stage_base_update(
+            self, token, plan, version, markers, digest
+        ),
+    )
 
 
 def art_receive_adapter_relayed(self, token: str, plan: dict, engine: int) -> dict:
@@ -101,15 +116,14 @@ def art_receive_adapter_relayed(self, token: str, plan: dict, engine: int) -> di
     directory on this host (`engine`: this engine's DP rank); none of them writes the
     adapter (engine 0's worker 0 does, on the API server's host). Answers like
     `adapter_streams.art_receive_adapter`."""
-    try:
-        config = staging.StagingConfig.create(None, None)
-        stage_dir = staging.new_stage_dir(config, "receive", 0)
-    except (staging.StagingRefused, staging.StagingDirError, OSError) as exc:
-        status = getattr(exc, "status", 500)
-        return {"ok": False, "kind": "staging", "status": status, "error": str(exc)}
-    markers = staging.marker_dir(stage_dir, engine)
-    res = adapter_streams.art_receive_adapter(self, token, plan, str(markers), None)
-    return _keep(self, token, res, stage_dir, markers)
+    return _with_relayed_markers(
+        self,
+        token,
+        "receive",
+        0,
+        engine,
+        lambda markers: adapter_streams.art_receive_adapter(self, token, plan, markers, None),
+    )
 
 
 def art_stage_ready_texts(self, token: str, ranks: list[int]) -> dict[int, str]:

@@ -43,6 +43,7 @@ from support.full_weights import (
     complete,
     export,
     hf_greedy,
+    prompt_ids,
     update,
 )
 from support.server_kinds import OPEN, _dp_binding
@@ -94,10 +95,6 @@ def server(tmp_path_factory, server_log):
         yield Server(proc, root, model)
     finally:
         proc.stop()
-
-
-def prompt_ids(server) -> list[int]:
-    return complete(server, 0, max_tokens=1)["choices"][0]["prompt_token_ids"]
 
 
 def fault(server, **body) -> None:

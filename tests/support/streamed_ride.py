@@ -115,15 +115,8 @@ async def ride_a_stream(
                         sent = asyncio.ensure_future(
                             client.post(update_route, json=update, headers=headers)
                         )
-                        await asyncio.sleep(0)
                     continue
-                if not sent.done():
-                    # Let the update's request run: reading chunks already buffered does not
-                    # yield to the event loop, so on a busy host (the test behind the
-                    # server) the update's request could wait for the end of the stream.
-                    await asyncio.sleep(0)
-                    continue
-                if not fresh:
+                if not sent.done() or not fresh:
                     continue
                 if answer_seen_at is None:
                     answer_seen_at = len(ride.tokens)
