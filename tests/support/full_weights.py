@@ -75,6 +75,30 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], n: int) -> list[int]:
     return out
 
 
+def hf_greedy_across_update(
+    old_dir: Path, new_dir: Path, prompt_ids: list[int], before: list[int], n: int
+) -> list[int]:
+    """The `n` greedy tokens a generation continues with once the weights switched from
+    `old_dir` to `new_dir` after its tokens `before` (Hugging Face, float32): as in a server,
+    the keys and values of the prompt and of `before` but its last token were computed by the
+    old weights, and every forward from then on (the one reading that last token first) by
+    the new ones."""
+    from transformers import AutoModelForCausalLM
+
+    old = AutoModelForCausalLM.from_pretrained(str(old_dir), torch_dtype=torch.float32)
+    new = AutoModelForCausalLM.from_pretrained(str(new_dir), torch_dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        cache = old(torch.tensor([prompt_ids + before[:-1]]), use_cache=True).past_key_values
+        nxt = before[-1]
+        for _ in range(n):
+            step = new(torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+            cache = step.past_key_values
+            nxt = int(step.logits[0, -1].argmax())
+            out.append(nxt)
+    return out
+
+
 def complete(server, engine: int, model: str | None = None, max_tokens: int = SHORT, **kw) -> dict:
     body = {
         "model": model or str(server.model),

@@ -285,6 +285,24 @@ def _dp_binding() -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": _two_cpus()}
 
 
+def _dp_binding_leaving_a_core() -> dict[str, str]:
+    """`_dp_binding`, except on a host of two cores under vLLM 0.32: there both DP engines'
+    workers go on the last core, and the first stays for the API server and the test.
+
+    Why: with one worker bound to each core, an MoE model's engines step in lock step (the idle
+    one runs dummy batches) and keep both cores busy; on this host the processes bound to
+    neither (API server, test client) then got no CPU until the generation ended (a probe
+    process's run-queue wait, /proc/self/schedstat: 15.4 s of a 15.5 s generation), so an
+    update sent mid-generation was admitted after it. Both workers on one core: no probe
+    waited over 0.16 s, and the generation took 18 s instead of 16."""
+    from importlib.metadata import version
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) > 2 or tuple(int(x) for x in version("vllm").split(".")[:2]) >= (0, 34):
+        return _dp_binding()
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[-1]}|{cpus[-1]}"}
+
+
 # -- pp2: two pipeline stages ------------------------------------------------------------------
 # Its own kind, not folded into tp2 or dp2: pipeline stages are the subject (every stage must
 # agree on a commit, and EngineCore must settle from every stage's answer, issue 36 item 4),
