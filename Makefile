@@ -93,8 +93,8 @@ demo-serve: $(TINY)/.ready
 # Why three: a vLLM server's worker keeps about one core busy and the serve suite mostly
 # waits on it, so one serve process beside the train side left a core idle (44 min of CPU in
 # 52 min of wall, 2 cores, 2026-12-03); the split (tests/support/server_split.py) keeps each
-# shared server's single start. The V1 subset follows the train side; the vLLM 0.34 subset
-# follows the shared servers. Measured in a clean-clone run on 2026-12-07 (unpinned lanes,
+# shared server's single start. The V1 subset, then the vLLM 0.34 subset's dp2 and moe_routes
+# files follow the train side; its lora and keyed files follow the shared servers. Measured in a clean-clone run on 2026-12-07 (unpinned lanes,
 # TEST_CPU below; `make test` 43.5 min with set-up): own servers 33.3 min, shared 32.4 + 0.34
 # 8.0, train 33.2 + V1 3.5 + the zoo's MoE serving module 3.5 (now back in the own lane).
 # Over the 35-min budget: both cores are 100% busy throughout, so lanes can only be balanced;
@@ -105,24 +105,27 @@ TEST_LOGS := .cache/test-logs
 test: test-envs $(SERVE)/.triton-ready $(TINY)/.ready
 ifeq ($(TEST_PARALLEL),1)
 	@mkdir -p $(TEST_LOGS); rm -f $(TEST_LOGS)/*.rc; \
-	echo "[test] in the background: train side, then the serve V1 subset ($(TEST_LOGS)/train.log, v1.log), serve modules with their own servers ($(TEST_LOGS)/serve-own.log); here: serve modules on shared servers, then the vLLM 0.34 subset ($(TEST_LOGS)/serve34.log)"; \
+	echo "[test] in the background: train side, then the serve V1 subset, then the vLLM 0.34 dp2 and moe_routes files ($(TEST_LOGS)/train.log, v1.log, serve34-dp2.log), serve modules with their own servers ($(TEST_LOGS)/serve-own.log); here: serve modules on shared servers, then the vLLM 0.34 lora and keyed files ($(TEST_LOGS)/serve34.log)"; \
 	{ $(MAKE) --no-print-directory test-train > $(TEST_LOGS)/train.log 2>&1; echo $$? > $(TEST_LOGS)/train.rc; \
-	  $(MAKE) --no-print-directory test-serve-v1 > $(TEST_LOGS)/v1.log 2>&1; echo $$? > $(TEST_LOGS)/v1.rc; } & lane=$$!; \
+	  $(MAKE) --no-print-directory test-serve-v1 > $(TEST_LOGS)/v1.log 2>&1; echo $$? > $(TEST_LOGS)/v1.rc; \
+	  $(MAKE) --no-print-directory test-serve34 SERVE34_FILES="$(SERVE34_AFTER_V1)" > $(TEST_LOGS)/serve34-dp2.log 2>&1; echo $$? > $(TEST_LOGS)/serve34-dp2.rc; } & lane=$$!; \
 	$(MAKE) --no-print-directory test-serve-v2 SERVERS=own > $(TEST_LOGS)/serve-own.log 2>&1 & own=$$!; \
 	$(MAKE) --no-print-directory test-serve-v2 SERVERS=shared SERVE_V2_IGNORE="$(SERVE34_SUBSET)"; shared_rc=$$?; \
-	$(MAKE) --no-print-directory test-serve34 > $(TEST_LOGS)/serve34.log 2>&1; s34_rc=$$?; \
-	echo "================ serve side, vLLM 0.34 subset ($(TEST_LOGS)/serve34.log) ================"; \
+	$(MAKE) --no-print-directory test-serve34 SERVE34_FILES="$(SERVE34_AFTER_SHARED)" > $(TEST_LOGS)/serve34.log 2>&1; s34_rc=$$?; \
+	echo "================ serve side, vLLM 0.34 subset: lora, keyed ($(TEST_LOGS)/serve34.log) ================"; \
 	cat $(TEST_LOGS)/serve34.log; \
 	wait $$own; own_rc=$$?; \
 	echo "================ serve side, own servers ($(TEST_LOGS)/serve-own.log) ================"; \
 	cat $(TEST_LOGS)/serve-own.log; \
-	wait $$lane; train_rc=$$(cat $(TEST_LOGS)/train.rc); v1_rc=$$(cat $(TEST_LOGS)/v1.rc); \
+	wait $$lane; train_rc=$$(cat $(TEST_LOGS)/train.rc); v1_rc=$$(cat $(TEST_LOGS)/v1.rc); s34b_rc=$$(cat $(TEST_LOGS)/serve34-dp2.rc); \
 	echo "======================== train side ($(TEST_LOGS)/train.log) ========================"; \
 	cat $(TEST_LOGS)/train.log; \
 	echo "=================== serve side, V1 subset ($(TEST_LOGS)/v1.log) ===================="; \
 	cat $(TEST_LOGS)/v1.log; \
-	echo "[test] exit: train $$train_rc, serve own servers $$own_rc, serve shared servers $$shared_rc, serve V1 $$v1_rc, serve vLLM 0.34 $$s34_rc"; \
-	test $$train_rc -eq 0 && test $$own_rc -eq 0 && test $$shared_rc -eq 0 && test $$v1_rc -eq 0 && test $$s34_rc -eq 0
+	echo "============ serve side, vLLM 0.34 subset: dp2, moe_routes ($(TEST_LOGS)/serve34-dp2.log) ============"; \
+	cat $(TEST_LOGS)/serve34-dp2.log; \
+	echo "[test] exit: train $$train_rc, serve own servers $$own_rc, serve shared servers $$shared_rc, serve V1 $$v1_rc, serve vLLM 0.34 $$s34_rc and $$s34b_rc"; \
+	test $$train_rc -eq 0 && test $$own_rc -eq 0 && test $$shared_rc -eq 0 && test $$v1_rc -eq 0 && test $$s34_rc -eq 0 && test $$s34b_rc -eq 0
 else
 	@rc=0; \
 	$(MAKE) --no-print-directory test-train || rc=1; \
@@ -193,8 +196,22 @@ SERVE34_SUBSET := tests/art_vllm_plugin/test_inflight_update.py \
 	tests/art_vllm_plugin/api_server/test_feature_states.py \
 	tests/art_vllm_plugin/routes/test_route_serving.py \
 	tests/cross_env/test_moe_parity.py
+# `make test` runs it in two parts (SERVE34_FILES), by server kind so each server still starts
+# once: the dp2 and moe_routes files after the V1 subset, the lora and keyed files after the
+# shared servers. One part after the shared servers made that lane the tail (clean clone,
+# 2026-12-07, slow host: shared 35.4 + 0.34 23.4 min, the other lanes 46.9 and 50.5).
+SERVE34_AFTER_V1 := tests/art_vllm_plugin/engine_core/test_data_parallel.py \
+	tests/art_vllm_plugin/api_server/test_dp_metrics.py \
+	tests/art_vllm_plugin/test_full_weight_update.py \
+	tests/art_vllm_plugin/test_streamed_weight_update.py \
+	tests/art_vllm_plugin/test_streamed_lora_update.py \
+	tests/art_vllm_plugin/api_server/test_feature_states.py \
+	tests/art_vllm_plugin/routes/test_route_serving.py \
+	tests/cross_env/test_moe_parity.py
+SERVE34_AFTER_SHARED := $(filter-out $(SERVE34_AFTER_V1),$(SERVE34_SUBSET))
+SERVE34_FILES ?= $(SERVE34_SUBSET)
 test-serve34: serve34-env $(TINY)/.ready
-	$(TEST_CPU) ART_TEST_MODEL_RUNNER=v2 $(SERVE34)/bin/python -m pytest $(SERVE34_SUBSET) -m "not train"
+	$(TEST_CPU) ART_TEST_MODEL_RUNNER=v2 $(SERVE34)/bin/python -m pytest $(SERVE34_FILES) -m "not train"
 test-train: train-env
 	$(TEST_CPU) $(TRAIN)/bin/python -m pytest tests/art_protocol tests/art_megatron_ext tests/hybridep tests/train_env tests/examples
 
