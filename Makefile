@@ -99,12 +99,17 @@ demo-serve: $(TINY)/.ready
 # 8.0, train 33.2 + V1 3.5 + the zoo's MoE serving module 3.5 (now back in the own lane).
 # Over the 35-min budget: both cores are 100% busy throughout, so lanes can only be balanced;
 # the sum of work (about 114 lane-minutes) has to shrink (see the closing note of that session).
+# 2026-12-08, clean clone on a host ~1.8x slower for the same work: 64.3 min (train 35.3 + V1
+# 14.0 + 0.34 dp2/moe_routes 8.5; own servers 49.4; shared 32.8 + 0.34 lora/keyed 19.1), and
+# `time` counted 70 CPU-minutes of the 128 the two cores had: whether the lanes wait rather than
+# compute, the host's busy share printed at the end says (scripts/host_cpu_busy.py).
 # TEST_PARALLEL=0 runs everything one after the other in one serve process.
 TEST_PARALLEL ?= 1
 TEST_LOGS := .cache/test-logs
 test: test-envs $(SERVE)/.triton-ready $(TINY)/.ready
 ifeq ($(TEST_PARALLEL),1)
 	@mkdir -p $(TEST_LOGS); rm -f $(TEST_LOGS)/*.rc; \
+	$(SERVE)/bin/python scripts/host_cpu_busy.py start $(TEST_LOGS)/cpu.start; \
 	echo "[test] in the background: train side, then the serve V1 subset, then the vLLM 0.34 dp2 and moe_routes files ($(TEST_LOGS)/train.log, v1.log, serve34-dp2.log), serve modules with their own servers ($(TEST_LOGS)/serve-own.log); here: serve modules on shared servers, then the vLLM 0.34 lora and keyed files ($(TEST_LOGS)/serve34.log)"; \
 	{ $(MAKE) --no-print-directory test-train > $(TEST_LOGS)/train.log 2>&1; echo $$? > $(TEST_LOGS)/train.rc; \
 	  $(MAKE) --no-print-directory test-serve-v1 > $(TEST_LOGS)/v1.log 2>&1; echo $$? > $(TEST_LOGS)/v1.rc; \
@@ -124,6 +129,7 @@ ifeq ($(TEST_PARALLEL),1)
 	cat $(TEST_LOGS)/v1.log; \
 	echo "============ serve side, vLLM 0.34 subset: dp2, moe_routes ($(TEST_LOGS)/serve34-dp2.log) ============"; \
 	cat $(TEST_LOGS)/serve34-dp2.log; \
+	$(SERVE)/bin/python scripts/host_cpu_busy.py report $(TEST_LOGS)/cpu.start; \
 	echo "[test] exit: train $$train_rc, serve own servers $$own_rc, serve shared servers $$shared_rc, serve V1 $$v1_rc, serve vLLM 0.34 $$s34_rc and $$s34b_rc"; \
 	test $$train_rc -eq 0 && test $$own_rc -eq 0 && test $$shared_rc -eq 0 && test $$v1_rc -eq 0 && test $$s34_rc -eq 0 && test $$s34b_rc -eq 0
 else
