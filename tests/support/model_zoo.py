@@ -138,10 +138,6 @@ ZOO: dict[str, tuple[str, dict]] = {
         ),
     ),
 }
-# DeepSeek-V3 with every layer dense: its multi-latent attention and yarn rope alone. vLLM
-# 0.32's CPU build serves it as HF runs it, while it serves the MoE layers of the full entry
-# off HF and differently from one start to the next (docs/model-mapping.md, "Serving").
-ZOO["deepseek-v3-mla"] = ("DeepseekV3Config", dict(ZOO["deepseek-v3"][1], first_k_dense_replace=2))
 DENSE = ("llama3.1", "llama3.2", "qwen2.5", "qwen3")
 
 
