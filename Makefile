@@ -187,25 +187,17 @@ test-serve-v1: serve-env $(TINY)/.ready
 # server-heavy module 2-9x. Measured on this 2-core machine (2026-12-07, busy host): the dp2
 # files on 0.34 34 passed in 8 min 30 s (server start 339 s); the keyed and moe_routes files 73
 # passed in 3 min 4 s; the in-flight file 27 passed.
-SERVE34_SUBSET := tests/art_vllm_plugin/test_inflight_update.py \
-	tests/art_vllm_plugin/api_server/test_capabilities.py \
-	tests/art_vllm_plugin/engine_core/test_data_parallel.py \
-	tests/art_vllm_plugin/api_server/test_dp_metrics.py \
-	tests/art_vllm_plugin/test_full_weight_update.py \
-	tests/art_vllm_plugin/test_streamed_weight_update.py \
-	tests/art_vllm_plugin/test_streamed_lora_update.py \
-	tests/art_vllm_plugin/api_server/test_leases.py \
-	tests/art_vllm_plugin/api_server/test_lease_files.py \
-	tests/art_vllm_plugin/api_server/test_guards.py \
-	tests/art_vllm_plugin/api_server/test_strict_weight_files.py \
-	tests/art_vllm_plugin/api_server/test_control_routes_keyed.py \
-	tests/art_vllm_plugin/api_server/test_feature_states.py \
-	tests/art_vllm_plugin/routes/test_route_serving.py \
-	tests/cross_env/test_moe_parity.py
 # `make test` runs it in two parts (SERVE34_FILES), by server kind so each server still starts
 # once: the dp2 and moe_routes files after the V1 subset, the lora and keyed files after the
 # shared servers. One part after the shared servers made that lane the tail (clean clone,
 # 2026-12-07, slow host: shared 35.4 + 0.34 23.4 min, the other lanes 46.9 and 50.5).
+SERVE34_AFTER_SHARED := tests/art_vllm_plugin/test_inflight_update.py \
+	tests/art_vllm_plugin/api_server/test_capabilities.py \
+	tests/art_vllm_plugin/api_server/test_leases.py \
+	tests/art_vllm_plugin/api_server/test_lease_files.py \
+	tests/art_vllm_plugin/api_server/test_guards.py \
+	tests/art_vllm_plugin/api_server/test_strict_weight_files.py \
+	tests/art_vllm_plugin/api_server/test_control_routes_keyed.py
 SERVE34_AFTER_V1 := tests/art_vllm_plugin/engine_core/test_data_parallel.py \
 	tests/art_vllm_plugin/api_server/test_dp_metrics.py \
 	tests/art_vllm_plugin/test_full_weight_update.py \
@@ -214,7 +206,7 @@ SERVE34_AFTER_V1 := tests/art_vllm_plugin/engine_core/test_data_parallel.py \
 	tests/art_vllm_plugin/api_server/test_feature_states.py \
 	tests/art_vllm_plugin/routes/test_route_serving.py \
 	tests/cross_env/test_moe_parity.py
-SERVE34_AFTER_SHARED := $(filter-out $(SERVE34_AFTER_V1),$(SERVE34_SUBSET))
+SERVE34_SUBSET := $(SERVE34_AFTER_SHARED) $(SERVE34_AFTER_V1)
 SERVE34_FILES ?= $(SERVE34_SUBSET)
 test-serve34: serve34-env $(TINY)/.ready
 	$(TEST_CPU) ART_TEST_MODEL_RUNNER=v2 $(SERVE34)/bin/python -m pytest $(SERVE34_FILES) -m "not train"
