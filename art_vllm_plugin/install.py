@@ -192,6 +192,7 @@ def install_worker() -> None:
     if compat.is_cpu_platform():
         from art_vllm_plugin.worker import moe_lora_cpu
 
+        compat.wrap(P.MOE_LORA_CONFIG_GUARD, moe_lora_cpu.refuse_at_config)
         compat.wrap(P.MOE_CONFIG_POST_INIT, moe_lora_cpu.keep_cpu_experts)
         compat.wrap(P.MOE_LORA_FORMAT, moe_lora_cpu.refuse_expert_weights)
         # A full-weight update of an MoE model: the experts' prepack on every write.

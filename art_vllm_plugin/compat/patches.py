@@ -374,6 +374,12 @@ HOST_LAYOUT_GUARD = VllmPatch(
     by="host_layout.refuse_workers_across_hosts",
     why="refuses engines whose workers span hosts (they could not see their stage)",
 )
+MOE_LORA_CONFIG_GUARD = VllmPatch(
+    "vllm.engine.arg_utils",
+    "EngineArgs.create_engine_config",
+    by="worker.moe_lora_cpu.refuse_at_config",
+    why="refuses LoRA reaching an MoE model's experts on CPU before any process loads the model",
+)
 CLIENT_PAUSE_HOLD = VllmPatch(
     "vllm.v1.engine.async_llm",
     "AsyncLLM.pause_generation",

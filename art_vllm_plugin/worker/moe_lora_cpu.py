@@ -9,7 +9,9 @@ experts and the CPU MoE kernel serves them exactly. This module clears the flag 
 only, and refuses what it cannot serve, each with its own message:
 
 - `--enable-lora` on a MoE model without `--lora-target-modules`, or with targets that name
-  the experts: the server does not start (the message names the flag);
+  the experts: the server does not start (the message names the flag), refused where vLLM
+  turns the arguments into its config (`refuse_at_config`), before any process loads the
+  model (the check where vLLM builds each MoE layer stays as the backstop);
 - an adapter with expert weights (loaded at start, by `/v1/load_lora_adapter` or by a slot
   update): refused at load, so its expert deltas are never silently dropped.
 
@@ -27,6 +29,7 @@ CPU and never run (`tests/art_vllm_plugin/worker/test_expert_adapter_update.py`)
 
 from __future__ import annotations
 
+import functools
 import re
 
 from art_vllm_plugin import compat
@@ -56,6 +59,39 @@ def _applies(vllm_config) -> bool:
     )
 
 
+def _refusal(targets) -> MoeLoraRefused:
+    return MoeLoraRefused(
+        "--enable-lora on a mixture-of-experts model in the CPU build needs "
+        "--lora-target-modules that leave out the experts (the CPU build has no "
+        "LoRA MoE kernel; vLLM would need Triton), e.g. --lora-target-modules "
+        f"q_proj k_proj v_proj o_proj; got {targets!r}"
+    )
+
+
+def check_config(vllm_config) -> None:
+    """Raise `MoeLoraRefused` when LoRA on this MoE model reaches the experts on CPU: the rule
+    of `keep_cpu_experts`, read from the model's config instead of a built layer."""
+    if not _applies(vllm_config) or not vllm_config.model_config.is_moe:
+        return
+    targets = vllm_config.lora_config.target_modules
+    if experts_targeted(targets):
+        raise _refusal(targets)
+
+
+def refuse_at_config(create_engine_config):
+    """Wrapper for `EngineArgs.create_engine_config`: the refusal in seconds, where vLLM
+    builds its config, instead of after every worker loaded the model (minutes for a large
+    MoE model)."""
+
+    @functools.wraps(create_engine_config)
+    def create_engine_config_checked(self, *args, **kwargs):
+        config = create_engine_config(self, *args, **kwargs)
+        check_config(config)
+        return config
+
+    return create_engine_config_checked
+
+
 def keep_cpu_experts(post_init):
     """Wrapper for `FusedMoEConfig.__post_init__`: clear `is_lora_enabled` when the LoRA
     targets leave the experts out; refuse targets that reach them."""
@@ -69,12 +105,7 @@ def keep_cpu_experts(post_init):
             return
         targets = vllm_config.lora_config.target_modules
         if experts_targeted(targets):
-            raise MoeLoraRefused(
-                "--enable-lora on a mixture-of-experts model in the CPU build needs "
-                "--lora-target-modules that leave out the experts (the CPU build has no "
-                "LoRA MoE kernel; vLLM would need Triton), e.g. --lora-target-modules "
-                f"q_proj k_proj v_proj o_proj; got {targets!r}"
-            )
+            raise _refusal(targets)
         # The experts are never wrapped by LoRA (outside the targets): serve them with
         # the CPU MoE kernel instead of the Triton LoRA experts.
         self.is_lora_enabled = False

@@ -1,6 +1,6 @@
 """`--enable-lora` on the tiny MoE model in the CPU build without `--lora-target-modules` that
-leave out the experts is refused at start, naming the flag (`worker/moe_lora_cpu.py`); and why:
-the CPU build lacks the kernels expert LoRA runs on."""
+leave out the experts is refused at start, naming the flag, before any process loads the model
+(`worker/moe_lora_cpu.py`); and why: the CPU build lacks the kernels expert LoRA runs on."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ pytestmark = pytest.mark.serve
 
 def test_moe_lora_without_expert_free_targets_refuses_to_start(server_log):
     """One start, with no `--lora-target-modules` (what a user types first); which target
-    lists reach the experts is `test_which_targets_reach_the_experts` (a refused start still
-    loads the model: a minute on these hosts, so one start, not one per list)."""
+    lists reach the experts is `test_which_targets_reach_the_experts`. Refused where vLLM
+    builds its config: no worker loads the model (it did, a minute on these hosts, when the
+    refusal came from the MoE layer's construction)."""
     from support.vllm_server import TINY, tiny_paths
 
     tiny_paths()
@@ -25,12 +26,13 @@ def test_moe_lora_without_expert_free_targets_refuses_to_start(server_log):
             *("--gpu-memory-utilization", "0.2", "--enable-lora", "--max-lora-rank", "8"),
         ),
         log_path=server_log,
-        startup_timeout_s=420,  # a refused start still loads the model (slow on a busy host)
+        startup_timeout_s=420,
     )
     with pytest.raises(serve_process.ServerStartError) as refused:
         serve_process.start(config)
     text = str(refused.value) + server_log.read_text(errors="replace")
     assert "needs --lora-target-modules that leave out the experts" in text
+    assert "Loading weights took" not in text and "EngineCore" not in text, text[-2000:]
 
 
 def test_which_targets_reach_the_experts():
