@@ -56,12 +56,17 @@ def _modules(starts: dict[str, Path]) -> tuple[str, ...]:
 SMALL_WARMUP_34 = {"--max-num-seqs": 16, "--max-num-batched-tokens": 512}
 
 
+def _vllm_034() -> bool:
+    """Whether the installed vLLM is 0.34 or later (its metadata, no vLLM import)."""
+    from importlib.metadata import version
+
+    return tuple(int(x) for x in version("vllm").split(".")[:2]) >= (0, 34)
+
+
 def _small_warmup(args: tuple[str, ...]) -> tuple[str, ...]:
     """`args` plus SMALL_WARMUP_34 on vLLM 0.34 (unless `args` set them); the batched tokens
     cover `--max-model-len`."""
-    from importlib.metadata import version
-
-    if tuple(int(x) for x in version("vllm").split(".")[:2]) < (0, 34):
+    if not _vllm_034():
         return args
     extra: list[str] = []
     for flag, value in SMALL_WARMUP_34.items():
@@ -302,9 +307,7 @@ def _dp_binding() -> dict[str, str]:
     (`parallel_config.assigned_physical_gpu_ids`): on this one-node host engine 1 dies at
     start (`IndexError` in cpu_worker.py); its NUMA simulation (`VLLM_CPU_SIM_MULTI_NUMA`)
     places both on node 0, and needs vLLM's automatic binding (it asserts it)."""
-    from importlib.metadata import version
-
-    if tuple(int(x) for x in version("vllm").split(".")[:2]) >= (0, 34):
+    if _vllm_034():
         return {"VLLM_CPU_SIM_MULTI_NUMA": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
     return {"VLLM_CPU_OMP_THREADS_BIND": _two_cpus()}
 
@@ -319,10 +322,8 @@ def _dp_binding_leaving_a_core() -> dict[str, str]:
     process's run-queue wait, /proc/self/schedstat: 15.4 s of a 15.5 s generation), so an
     update sent mid-generation was admitted after it. Both workers on one core: no probe
     waited over 0.16 s, and the generation took 18 s instead of 16."""
-    from importlib.metadata import version
-
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) > 2 or tuple(int(x) for x in version("vllm").split(".")[:2]) >= (0, 34):
+    if len(cpus) > 2 or _vllm_034():
         return _dp_binding()
     return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[-1]}|{cpus[-1]}"}
 
